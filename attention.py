@@ -1,0 +1,174 @@
+"""
+The DFlash training attention: who may look at whom, and two executors of that one rule.
+
+Layout (DFLASH_SPEC §3.1). For a batch row with S context tokens and N anchored blocks of K tokens:
+  queries  Q = N*K rows    [block_0 | block_1 | ... | block_{N-1}]     (context is never a query)
+  keys    KV = S + N*K     [context 0..S-1 | block_0 | ... | block_{N-1}]
+Query (block n, offset j) with anchor p sees
+  - context keys kv < p, STRICTLY (at inference the anchor's own target feature does not exist yet, spec §7.5);
+  - its own block: all of it on full-attention layers (bidirectional), offsets <= j on sliding layers (causal);
+  - on sliding layers the context is also window-bounded: kv >= p + j - (W - 1) (SpecForge/vLLM semantics, spec §1.5);
+  - nothing at all if the block is padding (keep=False): such rows give exact zeros, never NaN (spec §8.8).
+
+Executors:
+  - CUDA: compiled `flex_attention` with a BlockMask built straight from the sorted anchors (`dflash_block_mask`):
+    a few small tensor ops on [B, Q/128, KV/128] tiles, no dense Q x KV mask, no compiled create_block_mask, no sync.
+  - CPU: the same rule as a dense boolean mask fed to `scaled_dot_product_attention` (flex has no CPU backward).
+Both executors evaluate the same `dflash_mask_mod`, so they cannot disagree on the rule.
+
+Test: python -m pytest -q tests/test_attention.py
+"""
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+TILE = 128  # flex_attention's default BlockMask granularity (rows and columns)
+
+# -----------------------------------------------------------------------------
+# the rule
+
+
+def dflash_mask_mod(anchors_BN, keep_BN, S, K, window=None):
+    """Mask rule as a flex `mask_mod(b, h, q_idx, kv_idx) -> bool`. Also works on broadcast aranges.
+    S is a 0-d integer tensor (or int): as a tensor it is an input of the compiled kernel, not a constant,
+    so a new sequence length does not force a new specialization of the closure."""
+    N = anchors_BN.shape[1]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        n = (q_idx // K).clamp(max=N - 1)  # flex pads Q to a tile multiple: padded rows reuse the last block
+        j = q_idx % K
+        p = anchors_BN[b, n]
+        is_ctx = kv_idx < S
+        ctx = is_ctx & (kv_idx < p)
+        blk = ~is_ctx & ((kv_idx - S) // K == n)
+        if window is not None:
+            ctx = ctx & (kv_idx >= p + j - (window - 1))
+            blk = blk & ((kv_idx - S) % K <= j)
+        return keep_BN[b, n] & (ctx | blk)
+
+    return mask_mod
+
+
+def dense_mask(anchors_BN, keep_BN, S, K, window=None):
+    """The rule evaluated everywhere: bool [B, 1, N*K, S+N*K]. CPU/SDPA path and tests only (O(Q*KV) memory)."""
+    B, N = anchors_BN.shape
+    dev = anchors_BN.device
+    mask_mod = dflash_mask_mod(anchors_BN, keep_BN, S, K, window)
+    b = torch.arange(B, device=dev).view(B, 1, 1, 1)
+    q = torch.arange(N * K, device=dev).view(1, 1, -1, 1)
+    kv = torch.arange(S + N * K, device=dev).view(1, 1, 1, -1)
+    return mask_mod(b, 0, q, kv)
+
+
+# -----------------------------------------------------------------------------
+# BlockMask from the anchors, without evaluating the rule per element
+
+
+def _row_intervals(anchors_BN, keep_BN, S, K, window, Q_pad):
+    """Every query row's allowed keys are two intervals, [ctx_lo, ctx_hi) and [blk_lo, blk_hi).
+    Returns four int64 tensors [B, Q_pad]; empty intervals (padding blocks) are [0, 0)."""
+    B, N = anchors_BN.shape
+    q = torch.arange(Q_pad, device=anchors_BN.device)
+    n = (q // K).clamp(max=N - 1)  # same clamp as the mask_mod, so padded rows agree with the kernel
+    j = q % K
+    p = anchors_BN[:, n]  # [B, Q_pad]
+    keep = keep_BN[:, n]
+    ctx_hi = p
+    ctx_lo = (p + j - (window - 1)).clamp(min=0) if window is not None else torch.zeros_like(p)
+    ctx_lo = torch.minimum(ctx_lo, ctx_hi)
+    blk_lo = (S + n * K).expand(B, -1)
+    blk_hi = blk_lo + (j + 1 if window is not None else K)
+    zero = torch.zeros_like(p)
+    return [torch.where(keep, t, zero) for t in (ctx_lo, ctx_hi, blk_lo, blk_hi)]
+
+
+def _tiles_to_ordered(tiles_BQT):
+    """bool [B, QT, KVT] -> (num [B,1,QT] int32, indices [B,1,QT,KVT] int32), used tiles first, ascending."""
+    KVT = tiles_BQT.shape[-1]
+    col = torch.arange(KVT, device=tiles_BQT.device)
+    order = torch.sort(torch.where(tiles_BQT, col, col + KVT), dim=-1).indices
+    num = tiles_BQT.sum(-1, dtype=torch.int32)
+    return num.unsqueeze(1), order.to(torch.int32).unsqueeze(1)
+
+
+def dflash_block_mask(anchors_BN, keep_BN, S, K, window=None):
+    """Exact BlockMask for the DFlash rule, built from row intervals in O(B * Q * 1) + O(B * QT * KVT).
+    A KV tile is 'partial' if any row of the Q tile may see any key in it (union of the rows' intervals,
+    by a difference array), and 'full' if every row sees all of it (intersection of intervals), so the
+    kernel skips mask evaluation there. Anchors need not be sorted for correctness; sorting them
+    (sample_anchors does) keeps each Q tile's visible context a short prefix, which is where the speed is."""
+    B, N = anchors_BN.shape
+    dev = anchors_BN.device
+    Q, KV = N * K, S + N * K
+    QT, KVT = -(-Q // TILE), -(-KV // TILE)
+    S_t = torch.as_tensor(S, device=dev)
+    lo_hi = _row_intervals(anchors_BN, keep_BN, S_t, K, window, QT * TILE)
+
+    # union: +1 at the first tile of each non-empty interval, -1 after its last tile, cumsum > 0
+    diff = torch.zeros(B, QT, KVT + 1, dtype=torch.int32, device=dev)
+    qtile = (torch.arange(QT * TILE, device=dev) // TILE).expand(B, -1)
+    for lo, hi in (lo_hi[0:2], lo_hi[2:4]):
+        nonempty = (hi > lo).int()
+        flat = diff.view(B, -1)
+        flat.scatter_add_(1, qtile * (KVT + 1) + lo // TILE, nonempty)
+        flat.scatter_add_(1, qtile * (KVT + 1) + (hi - 1).clamp(min=0) // TILE + 1, -nonempty)
+    any_BQT = diff.cumsum(-1)[..., :KVT] > 0
+
+    # intersection: tile c is full if, for every row, one interval covers [c*TILE, (c+1)*TILE)
+    start = torch.arange(KVT, device=dev) * TILE
+    full_BQT = torch.zeros_like(any_BQT)
+    for lo, hi in (lo_hi[0:2], lo_hi[2:4]):
+        lo_max = lo.view(B, QT, TILE).amax(-1, keepdim=True)
+        hi_min = hi.view(B, QT, TILE).amin(-1, keepdim=True)
+        full_BQT |= (start >= lo_max) & (start + TILE <= hi_min)
+    partial_BQT = any_BQT & ~full_BQT
+
+    kv_num, kv_idx = _tiles_to_ordered(partial_BQT)
+    full_num, full_idx = _tiles_to_ordered(full_BQT)
+    mask_mod = dflash_mask_mod(anchors_BN, keep_BN, S_t, K, window)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=TILE,
+                                    mask_mod=mask_mod, seq_lengths=(Q, KV))
+
+
+def build_masks(anchors_BN, keep_BN, S, K, layer_types, window, backend):
+    """One mask per distinct layer type: {"full_attention": m, "sliding_attention": m}.
+    backend "flex" -> BlockMask, "sdpa" -> dense bool [B,1,Q,KV]."""
+    make = dflash_block_mask if backend == "flex" else dense_mask
+    if backend not in ("flex", "sdpa"):
+        raise ValueError(f"attention backend must be 'flex' or 'sdpa', got {backend!r}")
+    return {t: make(anchors_BN, keep_BN, S, K, window if t == "sliding_attention" else None)
+            for t in set(layer_types)}
+
+
+# -----------------------------------------------------------------------------
+# executors
+
+# Compiled once per process (torchrun gives every GPU its own process, so no compiled code is ever shared
+# between threads). Lazy: nothing compiles until the first call.
+_flex_compiled = torch.compile(flex_attention)
+
+
+def configure_compile(recompile_limit=16):
+    """Make a recompile storm loud: past the limit dynamo would silently run flex eagerly, materializing
+    the full score matrix (ANCHORS §3b); with fail_on_recompile_limit_hit it raises instead."""
+    import torch._dynamo
+    torch._dynamo.config.recompile_limit = recompile_limit
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
+def compile_count():
+    """Graphs compiled by dynamo in this process so far. Steady-state training must not move it."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
+def attend(q_BHQd, k_BHkvd, v_BHkvd, mask):
+    """Attention of block queries over [context; blocks] keys. GQA: H query heads share H/Hkv K/V heads.
+    mask is a BlockMask (compiled flex, CUDA) or a dense bool [B,1,Q,KV] (SDPA, any device)."""
+    if isinstance(mask, BlockMask):
+        return _flex_compiled(q_BHQd, k_BHkvd, v_BHkvd, block_mask=mask, enable_gqa=True)
+    # SDPA on a row with no allowed key returns NaN; let such rows see everything, then zero them
+    row_ok = mask.any(-1, keepdim=True)  # [B,1,Q,1]
+    out = F.scaled_dot_product_attention(q_BHQd, k_BHkvd, v_BHkvd, attn_mask=mask | ~row_ok, enable_gqa=True)
+    return out * row_ok

@@ -1,0 +1,510 @@
+"""
+The DFlash drafter in plain torch, its released checkpoint format, and its training objective.
+
+A drafter (arXiv 2602.06036; DFLASH_SPEC §1) is a few Qwen3-style decoder layers. It reads the frozen target's
+hidden states at `target_layer_ids`, fuses them once (fc + hidden_norm) into context features, and every layer
+projects those features with its own k/v projections into extra keys/values placed in front of the block's own.
+Queries come only from the block: [anchor token, mask, mask, ...] at absolute positions anchor+k. The target's
+embedding and LM head are shared and frozen; they are not drafter weights.
+
+Reading order (bottom-up): helpers -> attention -> MLP -> layer -> config -> model -> checkpoint -> objective.
+Weight names match released checkpoints (z-lab, SpecForge, vLLM, SGLang), so saving is a plain state-dict write.
+
+Test: python -m pytest -q tests/test_model.py
+"""
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from attention import attend, build_masks
+
+# -----------------------------------------------------------------------------
+# helpers: RMSNorm and rotary embedding, both as Qwen3/HF compute them
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # fp32 statistics, then back to the input dtype before the weight (HF Qwen3RMSNorm order)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim, theta, scaling=None):
+    """Inverse frequencies, fp32 (spec §8.16: a bf16 inv_freq is a train/serve mismatch). Supports the rope types
+    a DFlash drafter config carries in practice; anything else is an error, never a silent approximation."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / scaling["factor"]
+    if kind == "llama3":  # Llama 3.1 frequency-dependent scaling
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old / hi) & (wavelen <= old / lo)
+        return torch.where(is_mid, mid, scaled)
+    raise ValueError(f"config.json: rope_scaling.rope_type={kind!r} is not supported (default, linear, llama3)")
+
+
+def rope_cos_sin(pos, inv_freq, dtype):
+    """pos [..., T] absolute positions -> cos, sin [..., T, head_dim] (computed in fp32, cast like HF)."""
+    freqs = pos[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x_BHTd, cos_BTd, sin_BTd):
+    cos, sin = cos_BTd.unsqueeze(1), sin_BTd.unsqueeze(1)  # broadcast over heads
+    x1, x2 = x_BHTd.chunk(2, dim=-1)
+    return x_BHTd * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+# -----------------------------------------------------------------------------
+# attention with KV injection, MLP, decoder layer
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg, layer_type):
+        super().__init__()
+        D, H, Hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.H, self.Hkv, self.hd, self.layer_type = H, Hkv, hd, layer_type
+        self.window = cfg.sliding_window if layer_type == "sliding_attention" else None
+        self.q_proj = nn.Linear(D, H * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(D, Hkv * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(D, Hkv * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(H * hd, D, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)  # per-head norms (Qwen3)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def project_q(self, x_BQD, cos, sin):
+        B, Q, _ = x_BQD.shape
+        q = self.q_norm(self.q_proj(x_BQD).view(B, Q, self.H, self.hd)).transpose(1, 2)  # B H Q hd
+        return apply_rope(q, cos, sin)
+
+    def project_kv(self, h_BTD, cos, sin):
+        """Keys/values for any mix of context features and block tokens; same weights, norm and RoPE for both."""
+        B, T, _ = h_BTD.shape
+        k = self.k_norm(self.k_proj(h_BTD).view(B, T, self.Hkv, self.hd)).transpose(1, 2)  # B Hkv T hd
+        v = self.v_proj(h_BTD).view(B, T, self.Hkv, self.hd).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x_BQD, ctx_BSD, cos_all, sin_all, mask):
+        """Training: all N blocks at once, x = [block_0 | ... | block_{N-1}], keys [context | blocks] under mask."""
+        B, Q, _ = x_BQD.shape
+        q = self.project_q(x_BQD, cos_all[:, -Q:], sin_all[:, -Q:])
+        k, v = self.project_kv(torch.cat([ctx_BSD, x_BQD], dim=1), cos_all, sin_all)  # one matmul for both halves
+        out = attend(q, k, v, mask)  # B H Q hd
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.H * self.hd))
+
+    def forward_cached(self, x_BKD, ctx_new_BTD, cache_kv, start):
+        """Inference (spec §7.2): extend the context cache with new verified positions, attend one block at
+        positions start..start+K-1 over [cached context ; block], keep only the context in the cache."""
+        B, K, _ = x_BKD.shape
+        dev, inv = x_BKD.device, self.inv_freq
+        T0 = 0 if cache_kv is None else cache_kv[0].shape[2]
+        assert T0 + ctx_new_BTD.shape[1] == start, "context cache must cover exactly positions 0..start-1"
+        cos_c, sin_c = rope_cos_sin(torch.arange(T0, start, device=dev)[None], inv, x_BKD.dtype)
+        k_new, v_new = self.project_kv(ctx_new_BTD, cos_c, sin_c)
+        if cache_kv is not None:
+            k_new, v_new = torch.cat([cache_kv[0], k_new], 2), torch.cat([cache_kv[1], v_new], 2)
+        cos_b, sin_b = rope_cos_sin(torch.arange(start, start + K, device=dev)[None], inv, x_BKD.dtype)
+        q = self.project_q(x_BKD, cos_b, sin_b)
+        k_blk, v_blk = self.project_kv(x_BKD, cos_b, sin_b)
+        k, v = torch.cat([k_new, k_blk], 2), torch.cat([v_new, v_blk], 2)
+        mask = None  # full layer: every cached context key (< start) and the whole block
+        if self.window is not None:  # sliding layer: key position >= query position - (W-1), causal in the block
+            qpos = torch.arange(start, start + K, device=dev)[:, None]
+            kpos = torch.arange(start + K, device=dev)[None, :]
+            mask = (kpos >= qpos - (self.window - 1)) & ((kpos < start) | (kpos <= qpos))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, K, self.H * self.hd)), (k_new, v_new)
+
+
+class MLP(nn.Module):  # SwiGLU, Qwen3MLP
+    def __init__(self, cfg):
+        super().__init__()
+        D, F_ = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(D, F_, bias=False)
+        self.up_proj = nn.Linear(D, F_, bias=False)
+        self.down_proj = nn.Linear(F_, D, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_type):
+        super().__init__()
+        self.layer_type = layer_type
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DFlashAttention(cfg, layer_type)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, ctx, cos_all, sin_all, mask):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, cos_all, sin_all, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_cached(self, x, ctx_new, cache_kv, start):
+        a, cache_kv = self.self_attn.forward_cached(self.input_layernorm(x), ctx_new, cache_kv, start)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), cache_kv
+
+
+# -----------------------------------------------------------------------------
+# config: exactly what the released config.json holds (DFLASH_SPEC §1.6)
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_hidden_layers: int = 5
+    num_attention_heads: int = 9
+    num_key_value_heads: int = 3
+    head_dim: int = 64
+    vocab_size: int = 49152
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 40960
+    block_size: int = 16
+    num_target_layers: int = 36  # depth of the target; only used by loaders when target_layer_ids is absent
+    target_layer_ids: list = field(default_factory=lambda: [1, 9, 17, 25, 33])  # "output of decoder layer k"
+    mask_token_id: int = 0
+    layer_types: list | None = None  # per layer "full_attention" | "sliding_attention"; None -> all full
+    sliding_window: int | None = None
+    attention_bias: bool = False
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        bad = [t for t in self.layer_types if t not in ("full_attention", "sliding_attention")]
+        if bad or len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types must list {self.num_hidden_layers} of full_attention/sliding_attention, "
+                             f"got {self.layer_types}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    def to_json_dict(self):
+        sliding = "sliding_attention" in self.layer_types
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "initializer_range": self.initializer_range,
+            # rope_theta stays top level: the authors' MLX loader reads it as a hard key (spec §1.6)
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": False,
+            # written explicitly: Qwen3Config would otherwise derive them from use_sliding_window/max_window_layers
+            "layer_types": list(self.layer_types),
+            "use_sliding_window": sliding,
+            "sliding_window": self.sliding_window,
+            "max_window_layers": self.num_hidden_layers,
+            "dtype": "bfloat16",
+            "torch_dtype": "bfloat16",  # transformers 4.x spelling (the authors pin 4.57.1)
+            "use_cache": True,
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+        }
+
+    @classmethod
+    def from_json_dict(cls, d, where="config.json"):
+        d = dict(d)
+        dc = d.get("dflash_config") or {}
+        if "mask_token_id" not in dc:
+            raise ValueError(f"{where}: dflash_config.mask_token_id is missing")
+        ids = dc.get("target_layer_ids", d.get("target_layer_ids"))
+        if ids is None:  # released rule from the target depth (spec §1.2)
+            ids = build_target_layer_ids(d["num_target_layers"], d["num_hidden_layers"])
+        if d.get("rope_theta") is None and isinstance(d.get("rope_parameters"), dict):
+            d["rope_theta"] = d["rope_parameters"]["rope_theta"]
+        kw = dict(target_layer_ids=list(ids), mask_token_id=dc["mask_token_id"],
+                  block_size=dc.get("block_size", d.get("block_size", 16)))
+        if not d.get("use_sliding_window", True):
+            d["sliding_window"] = None
+        for name in cls.__dataclass_fields__:
+            if name in kw:
+                continue
+            if name in d:
+                kw[name] = d[name]
+            elif name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                          "num_key_value_heads", "vocab_size", "rope_theta"):
+                raise ValueError(f"{where}: required field {name!r} is missing")
+        kw.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
+        kw.setdefault("num_target_layers", max(kw["target_layer_ids"]) + 3)
+        return cls(**kw)
+
+
+def build_target_layer_ids(num_target_layers, n):
+    """Released rule (z-lab, SpecForge, SGLang): n ids spread from layer 1 to layer L-3; 1 id -> the middle."""
+    if n == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [int(round(start + i * (end - start) / (n - 1))) for i in range(n)]
+
+
+def drafter_config_from_target(target_config, tokenizer=None, num_layers=5, num_target_features=None,
+                               block_size=16, mask_token=None, layer_types=None, sliding_window=None, **overrides):
+    """Derive a drafter config from any HF causal-LM config (nested text_config ok) and its tokenizer.
+    Sizes, heads, rope, vocab come from the target; target_layer_ids by the released rule (K = num_layers unless
+    num_target_features says otherwise). Mask token: an explicit `mask_token` (token string or id) wins; else the
+    tokenizer's own mask token; else the released convention, the first unused embedding row = len(tokenizer)
+    (what add_special_tokens({"mask_token": "<|MASK|>"}) would give). A target with no free row (SmolLM2) needs
+    an explicit token that chat data never contains, e.g. "<empty_output>"."""
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    L = tc.num_hidden_layers
+    vocab = tc.vocab_size
+    if mask_token is not None:
+        mask_id = tokenizer.convert_tokens_to_ids(mask_token) if isinstance(mask_token, str) else int(mask_token)
+        if isinstance(mask_token, str) and (mask_id is None or mask_id == tokenizer.unk_token_id):
+            raise ValueError(f"mask_token {mask_token!r} is not a token of this tokenizer")
+    elif tokenizer is not None and tokenizer.mask_token_id is not None:
+        mask_id = tokenizer.mask_token_id
+    elif tokenizer is not None and len(tokenizer) < vocab:
+        mask_id = len(tokenizer)
+    else:
+        raise ValueError(f"no free embedding row for a mask token (tokenizer has {len(tokenizer) if tokenizer else '?'}"
+                         f" tokens, vocab {vocab}): pass mask_token= a token that training data never contains")
+    rope = getattr(tc, "rope_parameters", None) or {}
+    theta = getattr(tc, "rope_theta", None) or rope.get("rope_theta", 10000.0)
+    scaling = getattr(tc, "rope_scaling", None) or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) not in ("linear", "llama3"):
+        scaling = None  # mrope/partial rotary belong to the target's own attention; the drafter is plain Qwen3
+    if scaling is not None:
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+    cfg = dict(
+        hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_hidden_layers=num_layers,
+        num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
+        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+        vocab_size=vocab, rms_norm_eps=tc.rms_norm_eps, rope_theta=float(theta), rope_scaling=scaling,
+        max_position_embeddings=tc.max_position_embeddings, block_size=block_size, num_target_layers=L,
+        target_layer_ids=build_target_layer_ids(L, num_target_features or num_layers), mask_token_id=mask_id,
+        layer_types=layer_types, sliding_window=sliding_window,
+    )
+    cfg.update(overrides)
+    return DrafterConfig(**cfg)
+
+
+# -----------------------------------------------------------------------------
+# the drafter
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        K = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(K * cfg.hidden_size, cfg.hidden_size, bias=False)  # fuse K target layers
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # fp32 buffer, not a weight (persistent=False keeps it out of the checkpoint); see _apply below
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+        for layer in self.layers:
+            layer.self_attn.inv_freq = self.inv_freq
+        self.apply(self._init_weights)
+
+    def _init_weights(self, m):  # HF Qwen3PreTrainedModel init: N(0, 0.02) linears, norms at 1
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=self.cfg.initializer_range)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(bf16) must not round the rotary frequencies (spec §8.16): recompute them in fp32 on the new device
+        super()._apply(fn, *args, **kwargs)
+        c = self.cfg
+        self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(self.fc.weight.device)
+        for layer in self.layers:
+            layer.self_attn.inv_freq = self.inv_freq
+        return self
+
+    def forward(self, x_BQD, target_hidden_BSC, pos_blk_BQ, masks):
+        """Training forward over all blocks. x: embedded block tokens; target_hidden: concatenated target-layer
+        states for the S context positions; pos_blk: absolute positions of the block tokens (anchor+k);
+        masks: {layer_type: BlockMask or dense bool} from attention.build_masks. Returns normed hidden [B,Q,D]."""
+        B, S = target_hidden_BSC.shape[:2]
+        ctx = self.hidden_norm(self.fc(target_hidden_BSC))  # computed once, shared by every layer (spec §1.1)
+        pos = torch.cat([torch.arange(S, device=x_BQD.device).expand(B, S), pos_blk_BQ], dim=1)  # [B, S+Q]
+        cos, sin = rope_cos_sin(pos, self.inv_freq, x_BQD.dtype)
+        h = x_BQD
+        for layer in self.layers:
+            h = layer(h, ctx, cos, sin, masks[layer.layer_type])
+        return self.norm(h)
+
+    def forward_cached(self, x_BKD, new_hidden_BTC, cache, start):
+        """Inference-style forward of one block (spec §7.2). cache: list of per-layer (k, v) for context
+        positions 0..start-T-1 (None entries for an empty cache); new_hidden: target states of the newly
+        verified positions start-T..start-1. Returns (normed hidden [B,K,D], new cache holding 0..start-1)."""
+        ctx_new = self.hidden_norm(self.fc(new_hidden_BTC))
+        h, new_cache = x_BKD, []
+        for layer, kv in zip(self.layers, cache or [None] * len(self.layers)):
+            h, kv = layer.forward_cached(h, ctx_new, kv, start)
+            new_cache.append(kv)
+        return self.norm(h), new_cache
+
+
+# -----------------------------------------------------------------------------
+# checkpoint: config.json + model.safetensors, flat released key names
+
+
+def save_drafter(drafter, out_dir, dtype=torch.bfloat16):
+    """Write a released-format checkpoint. dtype=None keeps the parameters' dtype (exact round trip)."""
+    from safetensors.torch import save_file
+    os.makedirs(out_dir, exist_ok=True)
+    sd = {k: (v if dtype is None else v.to(dtype)).detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
+    cfg = drafter.cfg.to_json_dict()
+    saved = next(iter(sd.values())).dtype
+    cfg["dtype"] = cfg["torch_dtype"] = str(saved).removeprefix("torch.")
+    save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def load_drafter(ckpt_dir, device="cpu", dtype=None):
+    """Load ours or any released DFlash drafter directory. Every mismatch is an error naming the key."""
+    from safetensors.torch import load_file
+    path = os.path.join(ckpt_dir, "config.json")
+    with open(path) as f:
+        cfg = DrafterConfig.from_json_dict(json.load(f), where=path)
+    sd = load_file(os.path.join(ckpt_dir, "model.safetensors"))
+    sd = {k.removeprefix("model."): v for k, v in sd.items()}  # some exports carry a model. prefix
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg)
+    expected = {k: v.shape for k, v in drafter.state_dict().items()}
+    missing = sorted(set(expected) - set(sd))
+    unexpected = sorted(set(sd) - set(expected))
+    if missing or unexpected:
+        raise KeyError(f"{ckpt_dir}: missing keys {missing}, unexpected keys {unexpected}")
+    for k, shape in expected.items():
+        if sd[k].shape != shape:
+            raise ValueError(f"{ckpt_dir}: {k} has shape {tuple(sd[k].shape)}, config says {tuple(shape)}")
+    drafter = drafter.to_empty(device=device)
+    drafter.load_state_dict(sd, strict=True)
+    return drafter if dtype is None else drafter.to(dtype)
+
+
+# -----------------------------------------------------------------------------
+# training objective (DFLASH_SPEC §2.4-2.6, §4.1, §4.3)
+
+
+def sample_anchors(loss_mask_BS, num_anchors, generator=None):
+    """Uniform without replacement among positions p with loss_mask[p] and loss_mask[p+1] (the anchor is a
+    response token and its first label is supervised), sorted ascending, padded to exactly num_anchors with
+    keep=False so every step has the same query length (no recompiles, no .item() sync)."""
+    B, S = loss_mask_BS.shape
+    lm = loss_mask_BS.bool()
+    cand = torch.zeros_like(lm)
+    cand[:, :-1] = lm[:, :-1] & lm[:, 1:]
+    keys = torch.rand(B, max(S, num_anchors), device=lm.device, generator=generator)
+    keys[:, :S][~cand] = 2.0  # non-candidates sort last
+    keys[:, S:] = 2.0
+    top = keys.topk(num_anchors, dim=1, largest=False)
+    keep = top.values < 2.0
+    anchors = torch.where(keep, top.indices, max(S, num_anchors))  # padding sorts after every real anchor
+    anchors, order = anchors.sort(dim=1)
+    keep = keep.gather(1, order)
+    return torch.where(keep, anchors, 0), keep
+
+
+def block_labels(input_ids_BS, loss_mask_BS, anchors_BN, keep_BN, K, gamma):
+    """Labels at the SAME position: block offset k predicts input_ids[anchor+k]; offset 0 (the clean anchor) and
+    positions >= S are unsupervised; the loss mask is read at the label position, not the anchor (spec §2.6, §8.3).
+    Returns labels [B,N,K], valid [B,N,K] bool, weights [B,N,K] = valid * exp(-(k-1)/gamma) (w_1 = 1, Eq. 4)."""
+    B, S = input_ids_BS.shape
+    N = anchors_BN.shape[1]
+    k = torch.arange(K, device=input_ids_BS.device)
+    pos_BNK = anchors_BN[:, :, None] + k
+    idx = pos_BNK.clamp(max=S - 1).view(B, N * K)
+    labels = input_ids_BS.gather(1, idx).view(B, N, K)
+    valid = keep_BN[:, :, None] & (pos_BNK < S) & (k > 0) & loss_mask_BS.gather(1, idx).view(B, N, K).bool()
+    decay = torch.exp(-(k - 1).clamp(min=0).float() / gamma)
+    return labels, valid, valid.float() * decay
+
+
+def _ce_terms(out_MD, lm_head_VD, labels_M, w_M):
+    logits = out_MD @ lm_head_VD.t()
+    ce = F.cross_entropy(logits.float(), labels_M, reduction="none")
+    return (ce * w_M).sum(), logits.argmax(-1) == labels_M
+
+
+def dflash_loss(drafter, embed_VD, lm_head_VD, input_ids_BS, loss_mask_BS, hidden_BSC, anchors_BN, keep_BN,
+                gamma=7.0, backend="sdpa", chunk_blocks=64):
+    """DFlash objective for one micro-batch. Returns additive terms so that normalization stays exact across ranks
+    and micro-batches: loss_sum (differentiable), weight_sum, per-offset correct_K / count_K, tau_sum / blocks.
+    The caller divides: loss = loss_sum / (global weight_sum)."""
+    cfg = drafter.cfg
+    K = cfg.block_size
+    B, S = input_ids_BS.shape
+    N = anchors_BN.shape[1]
+    dev = input_ids_BS.device
+    k = torch.arange(K, device=dev)
+
+    # blocks: [anchor token, mask, ..., mask] at absolute positions anchor+k (spec §2.5)
+    block_ids = torch.full((B, N, K), cfg.mask_token_id, device=dev, dtype=input_ids_BS.dtype)
+    block_ids[:, :, 0] = torch.where(keep_BN, input_ids_BS.gather(1, anchors_BN), cfg.mask_token_id)
+    pos_BNK = anchors_BN[:, :, None] + k  # may run past S-1: positions only, never labels
+    x = F.embedding(block_ids.view(B, N * K), embed_VD).to(hidden_BSC.dtype)
+    masks = build_masks(anchors_BN, keep_BN, S, K, cfg.layer_types, cfg.sliding_window, backend)
+    out = drafter(x, hidden_BSC, pos_BNK.view(B, N * K), masks).view(B, N, K, -1)
+
+    labels, valid, w = block_labels(input_ids_BS, loss_mask_BS, anchors_BN, keep_BN, K, gamma)
+
+    # lm_head + CE chunked over blocks, each chunk recomputed in backward: the [N*K, V] logits never exist at once
+    loss_sum = torch.zeros((), device=dev)
+    correct = []
+    C = chunk_blocks if chunk_blocks > 0 else N
+    for n0 in range(0, N, C):
+        args = (out[:, n0:n0 + C].reshape(-1, out.shape[-1]), lm_head_VD,
+                labels[:, n0:n0 + C].reshape(-1), w[:, n0:n0 + C].reshape(-1))
+        ls, cor = checkpoint(_ce_terms, *args, use_reentrant=False) if C < N else _ce_terms(*args)
+        loss_sum = loss_sum + ls
+        correct.append(cor.view(B, -1, K))
+    correct = torch.cat(correct, 1) & valid
+
+    # training-time acceptance estimate: accepted = sum_j prod_{i<=j} correct_i over supervised positions,
+    # unsupervised positions count as correct inside the product (SpecForge compute_accept_len), tau = 1 + accepted
+    run = torch.cumprod((correct | ~valid)[:, :, 1:].float(), dim=-1)
+    accepted = (run * valid[:, :, 1:]).sum(-1)
+    return dict(
+        loss_sum=loss_sum, weight_sum=w.sum().detach(),
+        correct_K=correct.sum((0, 1)).float(), count_K=valid.sum((0, 1)).float(),
+        tau_sum=((1 + accepted) * keep_BN).sum(), blocks=keep_BN.sum().float(),
+    )
