@@ -399,7 +399,7 @@ def save_drafter(drafter, out_dir, dtype=torch.bfloat16):
 
 
 def load_drafter(ckpt_dir, device="cpu", dtype=None):
-    """Load ours or any released DFlash drafter directory. Every mismatch is an error naming the key."""
+    """Load (in the saved dtype unless dtype is given) ours or any released DFlash drafter directory. Every mismatch is an error naming the key."""
     from safetensors.torch import load_file
     path = os.path.join(ckpt_dir, "config.json")
     with open(path) as f:
@@ -416,9 +416,9 @@ def load_drafter(ckpt_dir, device="cpu", dtype=None):
     for k, shape in expected.items():
         if sd[k].shape != shape:
             raise ValueError(f"{ckpt_dir}: {k} has shape {tuple(sd[k].shape)}, config says {tuple(shape)}")
-    drafter = drafter.to_empty(device=device)
+    drafter = drafter.to_empty(device=device).to(dtype or sd["fc.weight"].dtype)  # default: the saved dtype
     drafter.load_state_dict(sd, strict=True)
-    return drafter if dtype is None else drafter.to(dtype)
+    return drafter
 
 
 # -----------------------------------------------------------------------------

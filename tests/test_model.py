@@ -1,0 +1,320 @@
+"""The drafter: train/inference parity, the objective by hand, checkpoint format, and that it can learn."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attention import build_masks
+from model import (DFlashDrafter, DrafterConfig, block_labels, build_target_layer_ids, dflash_loss,
+                   drafter_config_from_target, load_drafter, rope_inv_freq, sample_anchors, save_drafter)
+
+V, D = 96, 64
+
+
+def tiny_cfg(layer_types=("full_attention", "full_attention"), window=None, K=4):
+    return DrafterConfig(hidden_size=D, intermediate_size=112, num_hidden_layers=len(layer_types),
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=V, block_size=K,
+                         rope_theta=10000.0, target_layer_ids=[1, 3, 5], num_target_layers=8, mask_token_id=7,
+                         layer_types=list(layer_types), sliding_window=window)
+
+
+def blocks_input(cfg, embed, ids, anchors, keep):
+    """What dflash_loss feeds the drafter: [anchor, mask, ...] embedded, at positions anchor + k."""
+    B, N, K = *anchors.shape, cfg.block_size
+    blk = torch.full((B, N, K), cfg.mask_token_id)
+    blk[:, :, 0] = torch.where(keep, ids.gather(1, anchors), cfg.mask_token_id)
+    pos = anchors[:, :, None] + torch.arange(K)
+    return F.embedding(blk.view(B, N * K), embed), pos.view(B, N * K), blk
+
+
+@pytest.mark.parametrize("layer_types,window", [
+    (("full_attention", "full_attention"), None),
+    (("sliding_attention", "full_attention", "sliding_attention"), 5),
+])
+def test_train_inference_parity(layer_types, window):
+    """Every block of one masked training forward == the inference-style forward of that block alone, whose
+    context is the target states before the anchor (fresh cache, and a cache filled in two steps)."""
+    torch.manual_seed(0)
+    cfg = tiny_cfg(layer_types, window)
+    drafter = DFlashDrafter(cfg).eval()
+    B, S, N, K = 2, 23, 7, cfg.block_size
+    embed = torch.randn(V, D)
+    ids = torch.randint(0, V, (B, S))
+    hidden = torch.randn(B, S, 3 * D)
+    anchors = torch.tensor([[0, 1, 3, 9, 10, 20, 0], [2, 5, 6, 13, 21, 0, 0]])  # overlapping, near the end, p=0
+    keep = torch.tensor([[1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0, 0]]).bool()
+    x, pos, blk = blocks_input(cfg, embed, ids, anchors, keep)
+    with torch.no_grad():
+        out = drafter(x, hidden, pos, build_masks(anchors, keep, S, K, cfg.layer_types, window, "sdpa"))
+        out = out.view(B, N, K, D)
+        assert torch.isfinite(out).all()  # padding blocks see no key at all: zero attention, never NaN
+        checked = 0
+        for b in range(B):
+            for n in range(N):
+                if not keep[b, n]:
+                    continue
+                p = int(anchors[b, n])
+                xb = F.embedding(blk[b:b + 1, n], embed)
+                ref, _ = drafter.forward_cached(xb, hidden[b:b + 1, :p], None, p)
+                torch.testing.assert_close(out[b, n], ref[0], atol=1e-5, rtol=1e-5)
+                # the same block after the cache was filled in two rounds, as decoding does (cropped to start)
+                half = p // 2
+                _, cache = drafter.forward_cached(xb, hidden[b:b + 1, :half], None, half)
+                ref2, cache = drafter.forward_cached(xb, hidden[b:b + 1, half:p], cache, p)
+                torch.testing.assert_close(out[b, n], ref2[0], atol=1e-5, rtol=1e-5)
+                assert cache[0][0].shape[2] == p  # block K/V never stay in the context cache
+                checked += 1
+        assert checked == int(keep.sum())
+
+
+def test_labels_and_weights_by_hand():
+    S, K, gamma = 12, 4, 7.0
+    ids = torch.arange(100, 112)[None]  # token at position t is 100 + t
+    lm = torch.zeros(1, S, dtype=torch.long)
+    lm[0, 3:12] = 1  # response = positions 3..11
+    lm[0, 7] = 0  # one unsupervised hole inside the response
+    anchors = torch.tensor([[3, 5, 9, 0]])
+    keep = torch.tensor([[True, True, True, False]])
+    labels, valid, w = block_labels(ids, lm, anchors, keep, K, gamma)
+    e1, e2 = math.exp(-1 / gamma), math.exp(-2 / gamma)
+    # anchor 3: offsets 1..3 -> positions 4,5,6, labels 104..106, weights 1, e^-1/7, e^-2/7
+    assert labels[0, 0, 1:].tolist() == [104, 105, 106]
+    assert valid[0, 0].tolist() == [False, True, True, True]
+    torch.testing.assert_close(w[0, 0], torch.tensor([0, 1, e1, e2]))
+    # anchor 5: positions 6,7,8; position 7 is not supervised (mask read at the LABEL position)
+    assert labels[0, 1, 1:].tolist() == [106, 107, 108]
+    torch.testing.assert_close(w[0, 1], torch.tensor([0, 1, 0, e2]))
+    # anchor 9: positions 10, 11, 12 -> 12 >= S is dropped
+    assert valid[0, 2].tolist() == [False, True, True, False]
+    torch.testing.assert_close(w[0, 2], torch.tensor([0, 1, e1, 0]))
+    # padding block: nothing
+    assert not valid[0, 3].any() and (w[0, 3] == 0).all()
+
+
+def test_sample_anchors():
+    lm = torch.zeros(3, 12, dtype=torch.long)
+    lm[:, 3:12] = 1
+    lm[1, 7] = 0
+    lm[2] = 0
+    lm[2, 5:7] = 1  # exactly one candidate
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(12)
+    for _ in range(400):
+        a, keep = sample_anchors(lm, 6, g)
+        assert a.shape == (3, 6) and keep.shape == (3, 6)
+        for b in range(3):
+            real = a[b][keep[b]]
+            assert torch.equal(real, real.sort().values) and len(set(real.tolist())) == len(real)
+            assert all(lm[b, p] and lm[b, p + 1] for p in real.tolist())
+            assert keep[b].tolist() == sorted(keep[b].tolist(), reverse=True)  # padding at the end
+        assert int(keep[2].sum()) == 1 and a[2, 0] == 5
+        counts += torch.bincount(a[0][keep[0]], minlength=12)
+    # row 0: candidates 3..10 (8 of them), 6 drawn each time -> each drawn with prob 3/4
+    freq = counts[3:11] / 400
+    assert ((freq - 0.75).abs() < 0.1).all() and counts[:3].sum() == 0 and counts[11] == 0
+    # more anchors than positions: padded, never out of range
+    a, keep = sample_anchors(lm[:1], 20)
+    assert int(keep.sum()) == 8 and a.max() < 12
+
+
+def _loss_setup(seed=0):
+    torch.manual_seed(seed)
+    cfg = tiny_cfg(("sliding_attention", "full_attention"), window=6)
+    drafter = DFlashDrafter(cfg)
+    B, S = 2, 30
+    ids = torch.randint(0, V, (B, S))
+    lm = torch.zeros(B, S)
+    lm[:, 8:] = 1
+    anchors, keep = sample_anchors(lm, 9, torch.Generator().manual_seed(seed))
+    return drafter, torch.randn(V, D), torch.randn(V, D), ids, lm, torch.randn(B, S, 3 * D), anchors, keep
+
+
+def test_chunked_loss_equals_unchunked():
+    drafter, embed, head, ids, lm, hidden, anchors, keep = _loss_setup()
+    results, grads = [], []
+    for chunk in (0, 2, 4):
+        drafter.zero_grad()
+        r = dflash_loss(drafter, embed, head, ids, lm, hidden, anchors, keep, gamma=7.0, chunk_blocks=chunk)
+        r["loss_sum"].backward()
+        results.append(r)
+        grads.append([p.grad.clone() for p in drafter.parameters()])
+    for r, g in zip(results[1:], grads[1:]):
+        for key in r:
+            torch.testing.assert_close(r[key], results[0][key], atol=1e-5, rtol=1e-5)
+        for a, b in zip(g, grads[0]):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_loss_matches_direct_formula():
+    """loss_sum = sum_k w_k * CE(lm_head(out), label) over valid positions, from an independent computation."""
+    drafter, embed, head, ids, lm, hidden, anchors, keep = _loss_setup(1)
+    cfg, K = drafter.cfg, drafter.cfg.block_size
+    r = dflash_loss(drafter, embed, head, ids, lm, hidden, anchors, keep, gamma=5.0, chunk_blocks=0)
+    x, pos, _ = blocks_input(cfg, embed, ids, anchors, keep)
+    out = drafter(x, hidden, pos, build_masks(anchors, keep, 30, K, cfg.layer_types, 6, "sdpa"))
+    logits = out @ head.t()
+    want, wsum, n_correct, tau = 0.0, 0.0, 0, 0.0
+    for b in range(2):
+        for n in range(anchors.shape[1]):
+            run = True  # tau_est: leading correct predictions; unsupervised offsets pass through
+            for k in range(1, K):
+                p = int(anchors[b, n]) + k
+                if keep[b, n] and p < 30 and lm[b, p]:
+                    wk = math.exp(-(k - 1) / 5.0)
+                    want += wk * F.cross_entropy(logits[b, n * K + k], ids[b, p]).item()
+                    wsum += wk
+                    ok = bool(logits[b, n * K + k].argmax() == ids[b, p])
+                    n_correct += ok
+                    run = run and ok
+                    tau += run
+            tau += bool(keep[b, n])
+    assert r["loss_sum"].item() == pytest.approx(want, rel=1e-5)
+    assert r["weight_sum"].item() == pytest.approx(wsum, rel=1e-6)
+    assert r["correct_K"].sum().item() == n_correct
+    assert r["blocks"].item() == keep.sum().item()
+    assert r["tau_sum"].item() == pytest.approx(tau)
+
+
+def test_save_load_roundtrip_and_config(tmp_path):
+    cfg = tiny_cfg(("sliding_attention", "full_attention"), window=6)
+    drafter = DFlashDrafter(cfg)
+    save_drafter(drafter, tmp_path, dtype=None)
+    back = load_drafter(tmp_path)
+    assert back.cfg == cfg
+    for (k1, v1), (k2, v2) in zip(drafter.state_dict().items(), back.state_dict().items()):
+        assert k1 == k2 and torch.equal(v1, v2)
+    assert back.inv_freq.dtype == torch.float32
+    from safetensors import safe_open
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight",
+            "layers.1.self_attn.k_norm.weight", "layers.0.mlp.down_proj.weight",
+            "layers.1.post_attention_layernorm.weight"} <= keys
+    assert not any("embed" in k or "lm_head" in k or "inv_freq" in k for k in keys)
+    c = json.loads((tmp_path / "config.json").read_text())
+    for name in ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+                 "attention_bias", "attention_dropout", "rope_theta", "rope_scaling", "max_position_embeddings",
+                 "vocab_size", "tie_word_embeddings", "layer_types", "use_sliding_window", "sliding_window",
+                 "max_window_layers", "dtype", "block_size", "num_target_layers", "dflash_config", "auto_map"):
+        assert name in c, name
+    assert c["architectures"] == ["DFlashDraftModel"] and c["model_type"] == "qwen3"
+    assert c["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": [1, 3, 5]}
+    assert c["layer_types"] == ["sliding_attention", "full_attention"] and c["use_sliding_window"] is True
+    # transformers reads it as a Qwen3 config with the same layout
+    from transformers import Qwen3Config
+    q = Qwen3Config.from_dict(c)
+    assert q.layer_types == c["layer_types"] and q.sliding_window == 6 and q.head_dim == 16
+    # bf16 export (the default) keeps rope in fp32 after loading, and stays loadable
+    save_drafter(drafter, tmp_path / "bf16")
+    assert load_drafter(tmp_path / "bf16").fc.weight.dtype == torch.bfloat16
+
+
+def test_load_errors_name_the_key(tmp_path):
+    from safetensors.torch import load_file, save_file
+    drafter = DFlashDrafter(tiny_cfg())
+    save_drafter(drafter, tmp_path, dtype=None)
+    sd = load_file(tmp_path / "model.safetensors")
+    bad = dict(sd)
+    bad["layers.0.self_attn.q_proj.weight"] = torch.zeros(3, 3)
+    save_file(bad, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.q_proj\.weight has shape \(3, 3\)"):
+        load_drafter(tmp_path)
+    bad = dict(sd)
+    bad["layers.0.self_attn.qq_proj.weight"] = bad.pop("layers.0.self_attn.q_proj.weight")
+    save_file(bad, tmp_path / "model.safetensors")
+    with pytest.raises(KeyError, match=r"missing keys \['layers\.0\.self_attn\.q_proj\.weight'\].*qq_proj"):
+        load_drafter(tmp_path)
+    # released exports sometimes prefix model.: accepted
+    save_file({"model." + k: v for k, v in sd.items()}, tmp_path / "model.safetensors")
+    load_drafter(tmp_path)
+    c = json.loads((tmp_path / "config.json").read_text())
+    del c["dflash_config"]["mask_token_id"]
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ValueError, match="mask_token_id is missing"):
+        load_drafter(tmp_path)
+
+
+def test_target_layer_ids_rule():
+    assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert build_target_layer_ids(40, 5) == [1, 10, 19, 28, 37]
+    assert build_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+    assert build_target_layer_ids(24, 5) == [1, 6, 11, 16, 21]
+    assert build_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]  # SmolLM2-135M
+    assert build_target_layer_ids(32, 8) == [1, 5, 9, 13, 17, 21, 25, 29]
+    assert build_target_layer_ids(32, 5) == [1, 8, 15, 22, 29]  # Qwen3.5-4B
+    assert build_target_layer_ids(36, 1) == [18]
+
+
+def _tokenizer(n_tokens):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    vocab = {f"t{i}": i for i in range(n_tokens)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
+    tok.unk_token = "t0"
+    return tok
+
+
+def test_config_from_target():
+    from transformers import LlamaConfig, Qwen3Config
+    t = Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=36, num_attention_heads=8,
+                    num_key_value_heads=4, head_dim=32, vocab_size=200, rope_theta=1e6, max_position_embeddings=4096)
+    c = drafter_config_from_target(t, _tokenizer(150))
+    assert (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == \
+        (128, 256, 8, 4, 32)
+    assert c.target_layer_ids == [1, 9, 17, 25, 33] and c.num_target_layers == 36
+    assert c.mask_token_id == 150  # first unused embedding row = len(tokenizer)
+    assert c.rope_theta == 1e6 and c.rope_scaling is None and c.vocab_size == 200
+    # no free row: explicit token required, and used
+    with pytest.raises(ValueError, match="no free embedding row"):
+        drafter_config_from_target(t, _tokenizer(200))
+    assert drafter_config_from_target(t, _tokenizer(200), mask_token="t16").mask_token_id == 16
+    with pytest.raises(ValueError, match="not a token"):
+        drafter_config_from_target(t, _tokenizer(200), mask_token="<nope>")
+    # Llama 3.1 style rope scaling is carried over
+    l = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=16, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=300, rope_theta=5e5,
+                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    c = drafter_config_from_target(l, _tokenizer(250), num_layers=3, layer_types=["sliding_attention"] * 3,
+                                   sliding_window=64)
+    assert c.rope_scaling["rope_type"] == "llama3" and c.target_layer_ids == [1, 7, 13] and c.head_dim == 16
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0},
+                                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}])
+def test_rope_matches_transformers(scaling):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    cfg = LlamaConfig(hidden_size=512, num_attention_heads=4, rope_theta=5e5, rope_scaling=scaling,
+                      max_position_embeddings=131072)
+    ref = LlamaRotaryEmbedding(cfg).inv_freq
+    torch.testing.assert_close(rope_inv_freq(128, 5e5, scaling), ref, atol=0, rtol=1e-6)
+    with pytest.raises(ValueError, match="rope_type='yarn'"):
+        rope_inv_freq(128, 5e5, {"rope_type": "yarn", "factor": 2.0})
+
+
+def test_bf16_cast_keeps_fp32_rope():
+    d = DFlashDrafter(tiny_cfg()).to(torch.bfloat16)
+    assert d.inv_freq.dtype == torch.float32 and d.layers[0].self_attn.inv_freq is d.inv_freq
+    torch.testing.assert_close(d.inv_freq, rope_inv_freq(16, 10000.0), atol=0, rtol=0)
+
+
+def test_tiny_drafter_overfits_fixed_batch():
+    torch.manual_seed(0)
+    drafter, embed, head, ids, lm, hidden, anchors, keep = _loss_setup(3)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(150):
+        r = dflash_loss(drafter, embed, head, ids, lm, hidden, anchors, keep)
+        loss = r["loss_sum"] / r["weight_sum"]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.1 * losses[0], (losses[0], losses[-1])
+    assert r["correct_K"].sum() / r["count_K"].sum() > 0.9
