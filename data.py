@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from collections import Counter
@@ -169,33 +170,33 @@ def read_conversations(path, skip_invalid=False, require_assistant=True):
 def _assistant_spans(tokenizer, messages, text, template_kwargs):
     """Character spans [start, end) of each assistant content + its end-of-turn token in `text`.
 
-    The search for turn i starts where `text` stops agreeing with the prompt rendered for it
-    (messages[:i] + generation prompt): that is right after the assistant header, including any
-    empty think block the template inserts, so content can never be matched inside an earlier turn
-    or a default system prompt. Templates may re-render history (Qwen3 drops old reasoning), which
-    is why the agreement is measured, not assumed.
+    The conversation is rendered a second time with each assistant content replaced by a marker;
+    the text between markers is the template's own (system/user turns, headers, inserted think
+    blocks), so `text` must read template, answer, template, ... exactly. Walking that alignment
+    places every answer in its own turn (never in an earlier turn that happens to contain the same
+    words), costs two renders whatever the number of turns, and fails loudly if the template
+    rewrites answers in ways other than trimming.
     """
-    eot, spans, cur = tokenizer.eos_token, [], 0
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        head = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True,
-                                             **template_kwargs) if i else ""
-        start = len(os.path.commonprefix([head, text]))
-        content = m["content"]
-        a = text.find(content, max(start, cur))
-        if a < 0:  # templates that trim assistant content (Qwen3)
-            content = content.strip()
-            a = text.find(content, max(start, cur))
-        if a < 0:
-            raise ValueError(f"assistant turn {i}: content not found in the rendered template")
-        b = a + len(content)
-        e = text.find(eot, b)
-        if e < 0 or text[b:e].strip():
+    probe = [dict(m, content=f"\ue000{i}\ue001") if m["role"] == "assistant" else m for i, m in enumerate(messages)]
+    parts = re.split("\ue000(\\d+)\ue001", tokenizer.apply_chat_template(
+        probe, tokenize=False, add_generation_prompt=False, **template_kwargs))
+    segs, order = parts[0::2], [int(i) for i in parts[1::2]]  # template text around the answers
+    if order != [i for i, m in enumerate(messages) if m["role"] == "assistant"] or not text.startswith(segs[0]):
+        raise ValueError("the chat template drops or reorders assistant turns")
+    eot, spans, pos = tokenizer.eos_token, [], len(segs[0])
+    for i, seg in zip(order, segs[1:]):
+        c = messages[i]["content"]
+        # the template may trim the answer (Qwen3 does): accept the variant that aligns
+        c = next((v for v in (c, c.strip(), c.lstrip(), c.rstrip()) if text.startswith(v, pos)
+                  and text.startswith(seg, pos + len(v))), None)
+        if c is None:
+            raise ValueError(f"assistant turn {i}: the rendered conversation does not contain it verbatim")
+        e = text.find(eot, pos + len(c))
+        if e < 0 or text[pos + len(c):e].strip():
             raise ValueError(f"assistant turn {i} is not closed by eos {eot!r}; set tokenizer.eos_token "
                              "to the template's end-of-turn token")
-        spans.append((a, e + len(eot)))
-        cur = e + len(eot)
+        spans.append((pos, e + len(eot)))
+        pos += len(c) + len(seg)
     return spans
 
 

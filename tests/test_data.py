@@ -91,6 +91,12 @@ def test_mask_smollm2_exact_tokens(target_dir):
     assert ids[-8:] == [1, 520, 9531, 198, 19556, 17, 2, 198]
     assert np.flatnonzero(mask).tolist() == [len(ids) - 4, len(ids) - 3, len(ids) - 2]
     assert tok.convert_ids_to_tokens(ids[:3]) == ["<|im_start|>", "system", "Ċ"]  # the default system turn
+    # an answer repeating the question (or the word "assistant") is found in its own turn only
+    for answer in ("Hello!", "assistant"):
+        ids, mask = data.tokenize_conversation(tok, [{"role": "user", "content": "Hello!"},
+                                                     {"role": "assistant", "content": answer}], 1000)
+        n = len(tok.encode(answer)) + 1
+        assert np.flatnonzero(mask).tolist() == list(range(len(ids) - 1 - n, len(ids) - 1))
 
 
 @pytest.mark.parametrize("name", ["smollm2", "qwen"])
@@ -135,11 +141,14 @@ def test_mask_truncation(target_dir):
     assert data.has_consecutive_supervised(full_mask[:first + 2])
 
 
-def test_eos_must_close_assistant_turns(target_dir):
+def test_template_mismatch_is_an_error(target_dir):
     tok = tokenizer_with(target_dir, None)
     tok.eos_token = "<|im_start|>"  # what transformers 5.17 reads from the GGUF
     with pytest.raises(ValueError, match="not closed by eos"):
         data.tokenize_conversation(tok, MULTI, 1000)
+    tok = tokenizer_with(target_dir, QWEN_TEMPLATE.replace("message.content", "message.content|upper"))
+    with pytest.raises(ValueError, match="turn 2: the rendered conversation does not contain it verbatim"):
+        data.tokenize_conversation(tok, MULTI, 1000)  # a template that rewrites answers: no guessed mask
 
 # -----------------------------------------------------------------------------
 # validation
