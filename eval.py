@@ -1,0 +1,300 @@
+"""
+Acceptance length under real DFlash speculative decoding, batch 1 (DFLASH_SPEC §7, issue #9).
+
+The authors' `dflash_generate` contract: the target prefills the prompt and picks the first token, the first
+anchor. Each cycle the drafter fills a block [anchor, mask x (K-1)] from its cache of target features, the target
+verifies all K tokens in one forward, the longest matching draft prefix plus the target's own next token (the bonus)
+is committed, and both caches are cropped to the committed length. tau = tokens committed per verify cycle.
+
+Greedy speculative decoding is lossless: its output must equal the target's plain greedy decoding token for token.
+In fp32 a mismatch raises LosslessError. In bf16 a K-token verify and 1-token decoding round differently and flip
+near-tie argmaxes (issue #9: 238 of 16,368 positions on SmolLM2), so there each divergence is reported with its
+fp32 logit gap instead.
+
+  python eval.py --target DIR --drafter CKPT --data prompts.jsonl [--max-new-tokens 256 --temperature 0
+                 --block-size 16 --limit 32 --device cuda --dtype bfloat16 --out out/eval]
+  python -m pytest -q tests/test_eval.py
+
+Writes <out>/eval.json (tau, histogram, per-position acceptance, tokens/s, speedup, divergences, config) and
+<out>/eval.png, prints one line. From Python (the trainer): evaluate(target, tokenizer, drafter, prompts) -> dict.
+"""
+import argparse
+import copy
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+class LosslessError(RuntimeError):
+    """Greedy speculative output differs from greedy target output in fp32: a bug, never a statistic."""
+
+
+def features(hidden_states, layer_ids):
+    """HF hidden_states (index 0 = embeddings) -> [B, T, nK*D]. Id k is the OUTPUT of decoder layer k, i.e.
+    hidden_states[k+1] (spec §1.2, §8.1), concatenated in id order along features, as in training."""
+    return torch.cat([hidden_states[k + 1] for k in layer_ids], dim=-1)
+
+
+def pick(logits, temperature, generator=None):
+    """Argmax, or one sample at `temperature` per position (plain softmax: the reference's top_p=1, top_k=0)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs.view(-1, probs.shape[-1]), 1, generator=generator).view(probs.shape[:-1])
+
+
+def crop(cache, length):
+    """Keep positions 0..length-1. Negative counts mean 'remove' in every transformers version; 5.24 rejects a
+    positive absolute length and old versions read crop(0) as 'keep nothing', so never call it with 0."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
+def draft(drafter, target, block_1K, new_hidden_1TC, cache, start, temperature, generator):
+    """One drafter call (spec §7.2-3) -> (draft tokens for block offsets 1..K-1 [1, K-1], cache of 0..start-1).
+    A seam: tests replace it with an oracle or a saboteur to check the acceptance counting."""
+    x_1KD = F.embedding(block_1K, target.get_input_embeddings().weight)  # raw rows, exactly as dflash_loss embeds
+    h_1KD, cache = drafter.forward_cached(x_1KD, new_hidden_1TC, cache, start)
+    logits = target.get_output_embeddings()(h_1KD[:, 1:])  # offset 0 is the clean anchor: its output is unused
+    return pick(logits, temperature, generator), cache
+
+
+def _stop(gen, eos, max_new):
+    return len(gen) >= max_new or gen[-1] in eos
+
+
+@torch.inference_mode()
+def spec_decode(target, drafter, prompt_ids, max_new, block_size, eos, temperature=0.0, generator=None):
+    """-> (new token ids, first token included, cut at the first EOS (kept) and at max_new; per cycle: tokens
+    committed, drafts accepted before any cut, block size verified). block_size 1 = plain decoding, no drafter."""
+    dev = target.device
+    ids = torch.tensor([prompt_ids], device=dev)
+    use_drafter = block_size > 1
+    out = target(input_ids=ids, use_cache=True, output_hidden_states=use_drafter, logits_to_keep=1)
+    cache_t, cache_d = out.past_key_values, None
+    gen = [int(pick(out.logits[:, -1], temperature, generator))]
+    if use_drafter:  # the drafter's first context: features of prompt positions 0..n-1
+        layer_ids, mask_id = drafter.cfg.target_layer_ids, drafter.cfg.mask_token_id
+        new_hidden = features(out.hidden_states, layer_ids)
+    start = ids.shape[1]  # position of the current anchor, gen[-1]; the target cache holds 0..start-1
+    committed, accepted, verified = [], [], []
+    while not _stop(gen, eos, max_new):
+        K = min(block_size, max_new - len(gen) + 1)  # the reference shrinks the last block the same way
+        block = torch.full((1, K), mask_id if use_drafter else 0, dtype=torch.long, device=dev)
+        block[0, 0] = gen[-1]
+        if K > 1:
+            block[:, 1:], cache_d = draft(drafter, target, block, new_hidden, cache_d, start, temperature, generator)
+        out = target(input_ids=block, position_ids=torch.arange(start, start + K, device=dev)[None],
+                     past_key_values=cache_t, use_cache=True, output_hidden_states=K > 1)
+        # posterior[k] = the target's token after block position k; at temperature > 0 an independent target
+        # sample compared by token equality, as the reference does (spec §7), not a probability-ratio test
+        post = pick(out.logits[0], temperature, generator).tolist()
+        blk = block[0].tolist()
+        a = 0
+        while a < K - 1 and blk[a + 1] == post[a]:
+            a += 1
+        new = blk[1:a + 1] + [post[a]]  # accepted drafts + bonus
+        take = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
+        take = min(take, max_new - len(gen))
+        gen += new[:take]
+        committed.append(take)
+        accepted.append(a)
+        verified.append(K)
+        start += take
+        crop(cache_t, start)  # block positions 0..a stay (their K/V is exact); the bonus has none yet
+        if K > 1:  # new drafter context: target features of block positions 0..a (never the bonus, spec §7.5)
+            new_hidden = features(out.hidden_states, layer_ids)[:, :take]
+    return gen, committed, accepted, verified
+
+
+@torch.inference_mode()
+def plain_decode(target, prompt_ids, max_new, eos, temperature=0.0, generator=None):
+    """The target alone, one token per forward over its KV cache: the baseline for speed and for losslessness."""
+    out = target(input_ids=torch.tensor([prompt_ids], device=target.device), use_cache=True, logits_to_keep=1)
+    gen = [int(pick(out.logits[:, -1], temperature, generator))]
+    while not _stop(gen, eos, max_new):
+        out = target(input_ids=torch.tensor([gen[-1:]], device=target.device), past_key_values=out.past_key_values,
+                     use_cache=True)
+        gen.append(int(pick(out.logits[:, -1], temperature, generator)))
+    return gen
+
+
+@torch.inference_mode()
+def fp32_gap(ref, seq, spec_tok, plain_tok):
+    """fp32 logits after `seq`: top-1 minus each of the two competing tokens (a near-tie shows as a small gap)."""
+    logits = ref(input_ids=torch.tensor([seq], device=ref.device)).logits[0, -1].float()
+    top = logits.max()
+    return dict(fp32_top1=int(logits.argmax()), gap_spec=float(top - logits[spec_tok]),
+                gap_plain=float(top - logits[plain_tok]))
+
+
+def render(tokenizer, messages):
+    """Chat messages -> prompt ids, rendered as data.py renders training data (template, no extra specials)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def stop_ids(tokenizer, target):
+    """The tokenizer's EOS plus the generation config's (Qwen3 instruct lists two)."""
+    eos = getattr(target.generation_config, "eos_token_id", None)
+    eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return eos
+
+
+def _clock(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def evaluate(target, tokenizer, drafter, prompts, max_new_tokens=256, temperature=0.0, block_size=None,
+             check_lossless=True, eos_ids=None, seed=0, warmup=True):
+    """Speculative decoding over `prompts` (chat message lists, or token-id lists) -> results dict.
+    check_lossless: also run plain target decoding, for the speedup and, at temperature 0, the token-for-token
+    check (fp32: LosslessError; other dtypes: divergences with fp32 logit gaps). block_size: default the drafter's;
+    smaller serves well (a b16 drafter at b8), larger is allowed but was not trained for (spec §8.15)."""
+    K = block_size or (drafter.cfg.block_size if drafter is not None else 1)
+    eos = set(eos_ids) if eos_ids is not None else stop_ids(tokenizer, target)
+    prompts = [p if p and isinstance(p[0], int) else render(tokenizer, p) for p in prompts]
+    dev, dtype = target.device, next(target.parameters()).dtype
+    if drafter is not None:
+        drafter.eval()
+    gen = lambda i: torch.Generator(device=dev).manual_seed(seed + i)  # per prompt: order-independent samples
+    if warmup:  # first calls pay allocator/kernel set-up; keep them off the clock
+        spec_decode(target, drafter, prompts[0], min(max_new_tokens, 2 * K), K, eos, temperature, gen(0))
+        plain_decode(target, prompts[0], min(max_new_tokens, 2 * K), eos, temperature, gen(0))
+    per_prompt, divergences, ref = [], [], None
+    t_spec = t_plain = 0.0
+    n_spec = n_plain = 0
+    hist, acc_k, seen_k = [0] * K, [0] * K, [0] * K
+    for i, p in enumerate(prompts):
+        t0 = _clock(dev)
+        out, committed, accepted, verified = spec_decode(target, drafter, p, max_new_tokens, K, eos, temperature,
+                                                         gen(i))
+        t_spec += _clock(dev) - t0
+        n_spec += len(out)
+        for c, a, k in zip(committed, accepted, verified):
+            hist[c - 1] += 1
+            for j in range(1, k):  # offset j was verified in this cycle; accepted iff all drafts up to j matched
+                seen_k[j] += 1
+                acc_k[j] += a >= j
+        per_prompt.append(dict(prompt_tokens=len(p), new_tokens=len(out), cycles=len(committed),
+                               tau=sum(committed) / max(len(committed), 1), committed=committed))
+        if not check_lossless:
+            continue
+        t0 = _clock(dev)
+        base = plain_decode(target, p, max_new_tokens, eos, temperature, gen(i))
+        t_plain += _clock(dev) - t0
+        n_plain += len(base)
+        if temperature > 0 or out == base:
+            continue
+        j = next((j for j, (s, b) in enumerate(zip(out, base)) if s != b), min(len(out), len(base)))
+        if j == min(len(out), len(base)):  # cannot happen: both stop at the same EOS / limit
+            raise LosslessError(f"prompt {i}: lengths differ ({len(out)} vs {len(base)}) without a token mismatch")
+        if ref is None:
+            ref = target if dtype == torch.float32 else copy.deepcopy(target).float()
+        d = dict(prompt=i, position=j, spec_token=out[j], plain_token=base[j], **fp32_gap(ref, p + out[:j],
+                                                                                          out[j], base[j]))
+        if dtype == torch.float32:
+            raise LosslessError(f"not lossless: prompt {i}, new token {j}: speculative {out[j]} vs greedy {base[j]}"
+                                f" (fp32 top-1 {d['fp32_top1']}, gaps {d['gap_spec']:.3g} / {d['gap_plain']:.3g})")
+        divergences.append(d)
+    cycles = sum(hist)
+    checked = check_lossless and temperature == 0
+    spec_tps = n_spec / t_spec
+    plain_tps = n_plain / t_plain if check_lossless else None
+    return dict(
+        # tau: the authors' "Average Acceptance length" (per-prompt mean, then mean over prompts);
+        # tau_pooled: committed tokens / verify cycles over all prompts (long answers weigh more)
+        tau=sum(r["tau"] for r in per_prompt) / len(per_prompt),
+        tau_pooled=sum(sum(r["committed"]) for r in per_prompt) / max(cycles, 1),
+        cycles=cycles, new_tokens=n_spec,
+        accept_hist=hist,  # accept_hist[L-1] = cycles that committed L tokens (cut at EOS/limit, as the reference)
+        pos_accept=[acc_k[j] / max(seen_k[j], 1) for j in range(1, K)],  # P(draft at offset j accepted), j=1..K-1
+        spec_tok_s=spec_tps, plain_tok_s=plain_tps, speedup=spec_tps / plain_tps if plain_tps else None,
+        lossless=(not divergences) if checked else None, divergences=divergences,
+        config=dict(block_size=K, drafter_block_size=drafter.cfg.block_size if drafter is not None else None,
+                    max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, prompts=len(prompts),
+                    dtype=str(dtype).removeprefix("torch."), device=str(dev), eos=sorted(eos),
+                    target_layer_ids=drafter.cfg.target_layer_ids if drafter is not None else None,
+                    mask_token_id=drafter.cfg.mask_token_id if drafter is not None else None),
+        per_prompt=per_prompt,
+    )
+
+
+def summary(res):
+    c = res["config"]
+    s = (f"eval: tau={res['tau']:.3f} (pooled {res['tau_pooled']:.3f}) K={c['block_size']} prompts={c['prompts']} "
+         f"cycles={res['cycles']} spec={res['spec_tok_s']:.1f} tok/s")
+    if res["speedup"] is not None:
+        s += f" greedy={res['plain_tok_s']:.1f} tok/s speedup={res['speedup']:.2f}x"
+    return s + f" lossless={res['lossless']} divergences={len(res['divergences'])} dtype={c['dtype']}"
+
+
+def write_results(res, out_dir):
+    """eval.json + eval.png (histogram of tokens per cycle | per-offset acceptance). -> (json path, png path)."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend state, renders headless (Agg)
+    os.makedirs(out_dir, exist_ok=True)
+    jpath, ppath = os.path.join(out_dir, "eval.json"), os.path.join(out_dir, "eval.png")
+    with open(jpath, "w") as f:
+        json.dump(res, f, indent=1)
+    fig = Figure(figsize=(10, 3.8))
+    ax1, ax2 = fig.subplots(1, 2)
+    K, cycles = len(res["accept_hist"]), max(res["cycles"], 1)
+    ax1.bar(range(1, K + 1), [h / cycles for h in res["accept_hist"]])
+    ax1.set(xlabel="tokens committed per verify cycle", ylabel="fraction of cycles",
+            title=f"tau {res['tau']:.2f} (pooled {res['tau_pooled']:.2f}), block {K}")
+    ax2.plot(range(1, K), res["pos_accept"], marker="o")
+    ax2.set(xlabel="block offset", ylabel="P(draft accepted)", ylim=(0, 1.02), title="per-position acceptance")
+    fig.tight_layout()
+    fig.savefig(ppath, dpi=120)
+    return jpath, ppath
+
+
+def read_prompts(path, limit=None):
+    """JSONL/JSON conversations -> message lists without a final assistant turn (that is what we generate)."""
+    from data import read_conversations
+    convs, _ = read_conversations(path, require_assistant=False)
+    convs = [c[:-1] if c[-1]["role"] == "assistant" else c for c in convs]
+    return convs[:limit]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, help="HF folder (or SmolLM2 .gguf) of the target")
+    p.add_argument("--drafter", default=None, help="drafter checkpoint dir (ours or released); none: block 1 only")
+    p.add_argument("--data", required=True, help="JSONL of conversations; the final assistant turn is dropped")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
+    p.add_argument("--limit", type=int, default=None, help="first N prompts")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on cuda, float32 on cpu (the exact losslessness check needs float32)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup, no lossless check)")
+    p.add_argument("--out", default="out/eval")
+    a = p.parse_args(argv)
+    from data import load_target
+    from model import load_drafter
+    target, tok = load_target(a.target, a.device, getattr(torch, a.dtype) if a.dtype else None)
+    dtype = next(target.parameters()).dtype
+    drafter = load_drafter(a.drafter, a.device, dtype) if a.drafter else None
+    if drafter is None and (a.block_size or 1) != 1:
+        p.error("--block-size > 1 needs --drafter")
+    res = evaluate(target, tok, drafter, read_prompts(a.data, a.limit), a.max_new_tokens, a.temperature,
+                   a.block_size or (drafter.cfg.block_size if drafter else 1), not a.no_baseline, seed=a.seed)
+    res["config"].update(target=str(a.target), drafter=a.drafter, data=a.data)
+    write_results(res, a.out)
+    print(summary(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()
