@@ -1,0 +1,77 @@
+"""CUDA-only checks of the compiled flex path (skipped without a GPU; run on the GPU machine:
+python -m pytest -q tests/test_gpu.py). The CPU suite covers the same rule through SDPA and eager flex."""
+
+import pytest
+import torch
+
+from attention import attend, build_masks, compile_count, configure_compile, dense_mask, dflash_block_mask
+from model import DFlashDrafter, DrafterConfig, dflash_loss, sample_anchors
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+@pytest.mark.parametrize("window", [None, 256])
+def test_compiled_flex_equals_sdpa_cuda_bf16(window):
+    """Forward and gradients of compiled flex vs SDPA on the same dense rule, bf16, 27B-drafter head layout."""
+    configure_compile()
+    torch.manual_seed(0)
+    B, S, N, K, H, Hkv, d = 2, 1000, 64, 16, 32, 8, 128
+    lm = torch.zeros(B, S, device="cuda")
+    lm[:, 200:] = 1
+    lm[1, 240:] = 0  # a short response: fewer candidates than anchors, so padding blocks
+    anchors, keep = sample_anchors(lm, N)
+    assert not keep.all()
+    q = torch.randn(B, H, N * K, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(B, Hkv, S + N * K, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(B, Hkv, S + N * K, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(B, H, N * K, d, device="cuda", dtype=torch.bfloat16)
+    outs, grads = [], []
+    for mask in (dflash_block_mask(anchors, keep, S, K, window), dense_mask(anchors, keep, S, K, window)):
+        out = attend(q, k, v, mask)
+        (out.float() * g).sum().backward()
+        outs.append(out.float())
+        grads.append([t.grad.float().clone() for t in (q, k, v)])
+        for t in (q, k, v):
+            t.grad = None
+    assert torch.isfinite(outs[0]).all()
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)
+    for a, b in zip(grads[0], grads[1]):
+        torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)
+
+
+@cuda
+def test_flex_loss_equals_sdpa_loss_and_no_recompiles():
+    """The whole objective through compiled flex vs SDPA (fp32 weights, so differences are kernel-only),
+    then new sequence lengths after warm-up compile nothing."""
+    configure_compile()
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=64, vocab_size=1000, block_size=16, mask_token_id=3,
+                        target_layer_ids=[1, 2, 3], num_target_layers=6,
+                        layer_types=["sliding_attention", "full_attention"], sliding_window=128)
+    drafter = DFlashDrafter(cfg).cuda()
+    embed, head = torch.randn(2, 1000, 256, device="cuda").unbind(0)
+
+    def run(S, backend):
+        torch.manual_seed(S)
+        ids = torch.randint(0, 1000, (1, S), device="cuda")
+        lm = torch.zeros(1, S, device="cuda")
+        lm[:, S // 4:] = 1
+        hidden = torch.randn(1, S, 3 * 256, device="cuda")
+        anchors, keep = sample_anchors(lm, 64, torch.Generator("cuda").manual_seed(S))
+        drafter.zero_grad()
+        r = dflash_loss(drafter, embed, head, ids, lm, hidden, anchors, keep, backend=backend)
+        r["loss_sum"].backward()
+        return r["loss_sum"].item(), [p.grad.clone() for p in drafter.parameters()]
+
+    for S in (512, 640):
+        lf, gf = run(S, "flex")
+        ls, gs = run(S, "sdpa")
+        assert lf == pytest.approx(ls, rel=1e-3)
+        for a, b in zip(gf, gs):
+            torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-2)
+    warm = compile_count()
+    for S in (768, 1024, 896, 512):
+        run(S, "flex")
+    assert compile_count() == warm

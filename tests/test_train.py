@@ -1,0 +1,196 @@
+"""The pipeline: the real main() under torchrun on CPU (gloo), topology invariance, capture parity, exact resume,
+and a rank failure that ends the whole job. A tiny random Qwen3 target with the SmolLM2 tokenizer."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import data
+import train
+from model import build_target_layer_ids
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory):
+    """Random 6-layer Qwen3 (hidden 64, untied head) saved as an HF folder with the SmolLM2 tokenizer."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    smol = data.convert_gguf(data.smollm2_gguf(), data.default_cache_dir() / "smollm2-135m-instruct")
+    out = tmp_path_factory.mktemp("tiny_target")
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                      tie_word_embeddings=False, rope_theta=10000.0)
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():  # larger weights than the 0.02 default so layers differ visibly
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(smol).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def convs(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    words = "alpha beta gamma delta echo fox golf hotel india juliet kilo lima mike".split()
+    with open(path, "w") as f:
+        for i in range(24):
+            reply = " ".join(words[(i + j) % len(words)] for j in range(8 + 3 * (i % 5)))
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"Say {i} words please"},
+                                             {"role": "assistant", "content": reply}]}) + "\n")
+    return path
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_train(tiny_target, convs, out, nproc, *args, env=None, timeout=300):
+    base = [f"--target={tiny_target}", f"--data={convs}", f"--out_dir={out}", "--run_name=r", "--device=cpu",
+            "--dtype=float32", "--mask_token=<empty_output>", "--drafter_layers=2", "--target_features=3",
+            "--sliding_layers=1", "--sliding_window=16", "--block_size=4", "--num_anchors=8", "--max_length=64",
+            "--pad_multiple=16", "--log_every=1", "--warmup_ratio=0", "--lr=1e-3", "--batch_size=1"]
+    if nproc == 1:
+        cmd = [sys.executable, str(ROOT / "train.py")]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={free_port()}", "--max_restarts=0", str(ROOT / "train.py")]
+    e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    t0 = time.time()
+    p = subprocess.run(cmd + base + list(args), capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT)
+    return p, time.time() - t0
+
+
+def metrics(out):
+    return [json.loads(x) for x in open(Path(out) / "r" / "metrics.jsonl")]
+
+
+def test_assign_roles_and_config():
+    cfg = train.Config()
+    assert train.assign_roles(8, cfg) == ([0, 1, 2, 3, 4], [5, 6, 7])
+    assert train.assign_roles(1, cfg) == ([0], [0])
+    with pytest.raises(ValueError, match="must equal the world size"):
+        train.assign_roles(4, cfg)
+    c = train.parse_config(["--lr=3e-4", "--batch_size=2", "--skip_invalid=true", "--target=x"])
+    assert (c.lr, c.batch_size, c.skip_invalid, c.target) == (3e-4, 2, True, "x")
+    with pytest.raises(SystemExit, match="unknown config field"):
+        train.parse_config(["--lrr=1"])
+    with pytest.raises(SystemExit, match="expected"):
+        train.parse_config(["--batch_size=two"])
+    assert train.parse_config(["--preset=demo"]).mask_token == "<empty_output>"
+
+
+def test_validate_reports_every_error_before_gpu_work(tiny_target, tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+    tc, tok = AutoConfig.from_pretrained(tiny_target), AutoTokenizer.from_pretrained(tiny_target)
+    cfg = train.Config(target=str(tiny_target), data=str(tmp_path / "missing.jsonl"), drafter_layers=2,
+                       target_features=9, sliding_layers=3, block_size=1, mask_token="<empty_output>")
+    with pytest.raises(ValueError) as e:
+        train.validate(cfg, 4, tc, tok)
+    msg = str(e.value)
+    for part in ("world size (4)", "target_features=9", "block_size=1", "sliding_layers=3", "missing.jsonl"):
+        assert part in msg, part
+    cfg = train.Config(target=str(tiny_target), data=str(tmp_path), mask_token="")  # SmolLM2: no free row
+    with pytest.raises(ValueError, match="no free embedding row"):
+        train.validate(cfg, 1, tc, tok)
+
+
+def test_lr_schedule():
+    cfg = train.Config(lr=1.0, warmup_ratio=0.1)
+    lrs = [train.lr_at(cfg, s, 100) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0) and lrs[10] == pytest.approx(1.0)
+    assert lrs[55] == pytest.approx(0.5, abs=0.02) and lrs[-1] < 0.001
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+
+
+def _capture_check(rank, world, port, tiny_target, ids, ref, shard):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    cfg = train.Config(target=str(tiny_target), device="cpu", target_ranks=world - 1, drafter_ranks=1,
+                       target_shard=shard, mask_token="<empty_output>", drafter_layers=2, target_features=3,
+                       sliding_layers=0)
+    d = train.setup_dist(cfg)
+    from model import DrafterConfig
+    dcfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=49152, mask_token_id=16,
+                         target_layer_ids=[0, 2, 3], num_target_layers=6)
+    if d.is_target:
+        cap = train.Capture(train.load_target(cfg, dcfg, d, torch.float32), dcfg.target_layer_ids)
+        got = cap(ids)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        if shard == "fsdp":  # really sharded: this rank holds only its chunk of each weight
+            w = cap.base.layers[0].mlp.up_proj.weight
+            assert w.to_local().shape[0] < w.shape[0]
+    train.teardown_dist(d)
+
+
+@pytest.mark.parametrize("world,shard", [(1, "replicate"), (3, "fsdp"), (3, "replicate")])
+def test_capture_matches_output_hidden_states(tiny_target, world, shard):
+    """Features at id k == HF output_hidden_states[k+1] (output of decoder layer k), concatenated in id order."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    ids = torch.randint(0, 49152, (2, 20))
+    with torch.no_grad():
+        hs = hf(ids, output_hidden_states=True).hidden_states
+    ref = torch.cat([hs[k + 1] for k in (0, 2, 3)], dim=-1)
+    if world == 1:
+        _capture_check(0, 1, 0, tiny_target, ids, ref, shard)
+    else:
+        torch.multiprocessing.spawn(_capture_check, args=(world, free_port(), tiny_target, ids, ref, shard),
+                                    nprocs=world)
+
+
+def test_torchrun_3_and_4_processes_and_topology_invariance(tiny_target, convs, tmp_path):
+    """Same seed, same global batch (4 sequences per step): world 1 colocated, 2 targets + 1 drafter, and
+    2 targets + 2 data-parallel drafters give the same step-1 loss and grad norm."""
+    runs = {}
+    for nproc, extra in ((1, ["--grad_accum=4"]), (3, ["--grad_accum=4", "--target_ranks=2", "--drafter_ranks=1"]),
+                         (4, ["--grad_accum=2", "--target_ranks=2", "--drafter_ranks=2"])):
+        out = tmp_path / f"w{nproc}"
+        p, _ = run_train(tiny_target, convs, out, nproc, "--max_steps=3", *extra)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        runs[nproc] = metrics(out)
+        assert len(runs[nproc]) == 3
+        assert (out / "r" / "ckpt-0000003" / "model.safetensors").exists()
+        assert (out / "r" / "curves.png").exists() and (out / "r" / "config.json").exists()
+    for nproc in (3, 4):
+        for key in ("loss", "grad_norm", "acc", "tau_est"):
+            assert runs[nproc][0][key] == pytest.approx(runs[1][0][key], rel=1e-4, abs=1e-6), (nproc, key)
+    assert "balanced split" in p.stdout  # each side's capacity is reported
+    from model import load_drafter
+    d = load_drafter(tmp_path / "w4" / "r" / "ckpt-0000003")
+    assert d.cfg.target_layer_ids == build_target_layer_ids(6, 3) and d.cfg.mask_token_id == 16
+
+
+def test_resume_is_exact(tiny_target, convs, tmp_path):
+    p, _ = run_train(tiny_target, convs, tmp_path / "a", 1, "--max_steps=6", "--batch_size=2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    straight = [r["loss"] for r in metrics(tmp_path / "a")]
+    p, _ = run_train(tiny_target, convs, tmp_path / "b", 1, "--max_steps=6", "--batch_size=2", "--ckpt_every=3")
+    assert p.returncode == 0
+    ck = tmp_path / "b" / "r" / "ckpt-0000003"
+    # a second run dir resumed from the step-3 checkpoint of the first
+    p, _ = run_train(tiny_target, convs, tmp_path / "c", 1, "--max_steps=6", "--batch_size=2", f"--resume={ck}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    resumed = [r["loss"] for r in metrics(tmp_path / "c")]
+    assert [r["step"] for r in metrics(tmp_path / "c")] == [4, 5, 6]
+    assert resumed == straight[3:]  # bit-identical in fp32
+
+
+def test_rank_failure_ends_job_fast(tiny_target, convs, tmp_path):
+    p, secs = run_train(tiny_target, convs, tmp_path, 3, "--max_steps=50", "--target_ranks=2", "--drafter_ranks=1",
+                        env={"DFLASH_FAIL_AT": "2:2"}, timeout=120)
+    assert p.returncode != 0
+    assert "[rank 2 (drafter)] FAILED" in p.stderr and "injected failure" in p.stderr
+    assert secs < 60, secs

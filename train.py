@@ -1,0 +1,751 @@
+"""
+Train a DFlash drafter against a frozen target, one process per GPU (torchrun).
+
+Roles: target ranks hold the frozen target (FSDP2 over the target sub-mesh, or replicated), prefill each sequence
+and capture the hidden states at `target_layer_ids`; drafter ranks train the drafter data-parallel with compiled
+flex attention. Hidden states flow target -> drafter over point-to-point sends on a dedicated transport group.
+With one process (one GPU, or CPU) both roles run in that process, with no transport.
+
+    bash launch.sh                                   # picks the preset for this machine
+    torchrun --nproc_per_node 8 train.py --target=/models/Qwen3.6-27B --data=train.jsonl
+    python train.py --preset=demo --device=cpu       # colocated, 1 process
+    python -m pytest -q tests/test_train.py
+
+Edit the defaults in Config below; every field can be overridden with --field=value.
+"""
+
+import datetime
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from collections import deque
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.distributed as dist
+
+from attention import compile_count, configure_compile
+from model import (DFlashDrafter, DrafterConfig, dflash_loss, drafter_config_from_target, load_drafter,
+                   sample_anchors, save_drafter)
+
+
+@dataclass(frozen=True)
+class Config:
+    # model
+    target: str = "Qwen/Qwen3.6-27B"  # HF causal-LM folder (a hub id only where a hub is reachable)
+    drafter_layers: int = 5  # decoder layers in the drafter
+    target_features: int = 0  # target layers fused by fc (K); 0 = drafter_layers (released rule)
+    block_size: int = 16  # tokens per drafted block (anchor + block_size-1 predictions)
+    mask_token: str = ""  # mask token string or id; "" = tokenizer's mask token, else first free embedding row
+    sliding_layers: int = 4  # the first n drafter layers use sliding-window attention, the rest full
+    sliding_window: int = 2048  # tokens, for sliding layers
+    init_drafter: str = ""  # start from this released-format drafter instead of a random init
+    # data
+    data: str = "train.jsonl"  # conversations, JSONL or JSON array (OpenAI messages or ShareGPT)
+    max_length: int = 3072  # tokens per sequence, right-truncated
+    batch_size: int = 1  # sequences per micro-batch (one drafter rank, one forward)
+    grad_accum: int = 1  # micro-batches per drafter rank per optimizer step
+    num_anchors: int = 512  # blocks per sequence (padded with invalid blocks: fixed shapes)
+    gamma: float = 7.0  # loss decay over block offsets, exp(-(k-1)/gamma)
+    loss_chunk: int = 64  # blocks per lm_head+CE chunk (recomputed in backward)
+    skip_invalid: bool = False  # skip (and count) broken records instead of stopping at the first
+    pad_multiple: int = 128  # sequence length bucket, tokens (fewer distinct shapes, no recompiles)
+    # optim
+    lr: float = 6e-4  # peak learning rate
+    beta1: float = 0.9
+    beta2: float = 0.999
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.04  # fraction of steps with linear warmup, then cosine to 0
+    epochs: float = 6.0  # passes over the data
+    max_steps: int = 0  # optimizer steps; 0 = derived from epochs (it is also the cosine horizon)
+    grad_clip: float = 1.0  # global L2 norm
+    # distributed
+    target_ranks: int = 5  # processes holding the target (FSDP2 mesh)
+    drafter_ranks: int = 3  # processes training the drafter (data parallel)
+    target_shard: str = "fsdp"  # fsdp | replicate (a full target copy per target rank)
+    dtype: str = "bfloat16"  # bfloat16 (fp32 master weights and optimizer state) | float32
+    device: str = "auto"  # auto | cuda | cpu
+    prefetch: int = 2  # micro-batches a target rank may have in flight to its drafters
+    transport_timeout: int = 900  # seconds before a blocked collective or transfer fails the job
+    # logging
+    out_dir: str = "out"
+    run_name: str = "run"  # run directory under out_dir
+    log_every: int = 10  # optimizer steps between log lines
+    ckpt_every: int = 500  # optimizer steps between checkpoints (and one at the end)
+    keep_ckpts: int = 3  # newest checkpoints kept
+    resume: str = ""  # "auto" = newest checkpoint of this run, or a checkpoint directory
+    seed: int = 42
+    preset: str = ""  # "demo": small target and data for CPU or 1-7 GPUs (see PRESETS)
+
+
+PRESETS = {
+    # SmolLM2-135M-Instruct + chitchat prompts answered by it (data.py prepare_demo)
+    "demo": dict(target="{cache}/smollm2-135m-instruct", data="{cache}/chitchat_train.jsonl",
+                 mask_token="<empty_output>", drafter_layers=2, target_features=5, sliding_layers=0,
+                 max_length=384, batch_size=4, num_anchors=48, lr=1e-3, warmup_ratio=0.05, epochs=1.0,
+                 target_ranks=2, drafter_ranks=1, log_every=5, ckpt_every=100, pad_multiple=64),
+}
+
+
+def parse_config(argv):
+    """--field=value overrides, parsed against the field types; a preset applies first. Unknown key: error."""
+    kv = {}
+    for a in argv:
+        if not a.startswith("--") or "=" not in a:
+            raise SystemExit(f"arguments are --field=value, got {a!r}")
+        k, v = a[2:].split("=", 1)
+        kv[k.replace("-", "_")] = v
+    types = {f.name: f.type for f in fields(Config)}
+    unknown = sorted(set(kv) - set(types))
+    if unknown:
+        raise SystemExit(f"unknown config field(s) {unknown}; fields: {sorted(types)}")
+    base = {}
+    if kv.get("preset"):
+        if kv["preset"] not in PRESETS:
+            raise SystemExit(f"unknown preset {kv['preset']!r}; presets: {sorted(PRESETS)}")
+        from data import default_cache_dir
+        base = {k: v.format(cache=default_cache_dir()) if isinstance(v, str) else v
+                for k, v in PRESETS[kv["preset"]].items()}
+    for k, v in kv.items():
+        t = types[k]
+        if t in (bool, "bool"):
+            if v.lower() not in ("1", "true", "yes", "0", "false", "no"):
+                raise SystemExit(f"--{k}={v!r}: expected true/false")
+            base[k] = v.lower() in ("1", "true", "yes")
+            continue
+        try:
+            base[k] = int(v) if t in (int, "int") else float(v) if t in (float, "float") else v
+        except ValueError:
+            raise SystemExit(f"--{k}={v!r}: expected {t}") from None
+    return Config(**base)
+
+# -----------------------------------------------------------------------------
+# topology and process groups
+
+
+def assign_roles(world, cfg):
+    """-> (target ranks, drafter ranks). One process: both roles on rank 0 (colocated)."""
+    if world == 1:
+        return [0], [0]
+    if cfg.target_ranks + cfg.drafter_ranks != world:
+        raise ValueError(f"target_ranks ({cfg.target_ranks}) + drafter_ranks ({cfg.drafter_ranks}) must equal "
+                         f"the world size ({world})")
+    if cfg.target_ranks < 1 or cfg.drafter_ranks < 1:
+        raise ValueError("need at least one target rank and one drafter rank")
+    return list(range(cfg.target_ranks)), list(range(cfg.target_ranks, world))
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world: int
+    device: torch.device
+    targets: list  # global ranks with the target role
+    drafters: list  # global ranks with the drafter role
+    target_mesh: object  # DeviceMesh over targets (None when colocated or replicated)
+    drafter_group: object  # process group over drafters (None when colocated)
+    transport: object  # process group used only for target -> drafter sends
+
+    @property
+    def is_target(self):
+        return self.rank in self.targets
+
+    @property
+    def is_drafter(self):
+        return self.rank in self.drafters
+
+    @property
+    def role(self):
+        return "target+drafter" if self.is_target and self.is_drafter else "target" if self.is_target else "drafter"
+
+    @property
+    def leader(self):  # the drafter rank that logs and writes checkpoints
+        return self.rank == self.drafters[0]
+
+
+def setup_dist(cfg):
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)  # before any NCCL call, or P2P can hang (batch_isend_irecv docs)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    targets, drafters = assign_roles(world, cfg)
+    if world == 1:
+        return Dist(rank, world, device, targets, drafters, None, None, None)
+    timeout = datetime.timedelta(seconds=cfg.transport_timeout)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout, device_id=device if use_cuda else None)
+    # every rank builds every group, in this order (SPMD: a mismatch hangs silently)
+    from torch.distributed.device_mesh import DeviceMesh
+    target_mesh = DeviceMesh(device.type, targets) if cfg.target_shard == "fsdp" else None
+    drafter_group = dist.new_group(drafters)
+    transport = dist.new_group(list(range(world)), timeout=timeout)
+    dist.barrier(group=transport)  # creates the transport communicator on every rank now, not mid-run
+    return Dist(rank, world, device, targets, drafters, target_mesh, drafter_group, transport)
+
+
+def teardown_dist(d):
+    if d is not None and d.world > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def validate(cfg, world, target_config, tokenizer):
+    """Every config error at once, before any process group or GPU memory."""
+    errs = []
+    try:
+        assign_roles(world, cfg)
+    except ValueError as e:
+        errs.append(str(e))
+    tc = target_config.get_text_config()
+    n_feat = cfg.target_features or cfg.drafter_layers
+    if not 1 <= n_feat <= tc.num_hidden_layers:
+        errs.append(f"target_features={n_feat} must be in [1, {tc.num_hidden_layers}] (target depth)")
+    if cfg.block_size < 2:
+        errs.append(f"block_size={cfg.block_size} must be >= 2")
+    if not 0 <= cfg.sliding_layers <= cfg.drafter_layers:
+        errs.append(f"sliding_layers={cfg.sliding_layers} must be in [0, drafter_layers={cfg.drafter_layers}]")
+    if not os.path.isfile(cfg.data):
+        errs.append(f"data: no such file {cfg.data!r}")
+    for name in ("batch_size", "grad_accum", "num_anchors", "prefetch", "log_every", "ckpt_every", "keep_ckpts"):
+        if getattr(cfg, name) < 1:
+            errs.append(f"{name}={getattr(cfg, name)} must be >= 1")
+    if cfg.dtype not in ("bfloat16", "float32"):
+        errs.append(f"dtype={cfg.dtype!r} must be bfloat16 or float32")
+    if cfg.target_shard not in ("fsdp", "replicate"):
+        errs.append(f"target_shard={cfg.target_shard!r} must be fsdp or replicate")
+    if cfg.resume not in ("", "auto") and not os.path.isfile(os.path.join(cfg.resume, "train_state.pt")):
+        errs.append(f"resume: {cfg.resume!r} holds no train_state.pt")
+    try:
+        dcfg = drafter_cfg(cfg, target_config, tokenizer)
+    except (ValueError, KeyError, OSError) as e:
+        errs.append(f"drafter config: {e}")
+    else:
+        if max(dcfg.target_layer_ids) >= tc.num_hidden_layers:
+            errs.append(f"target_layer_ids {dcfg.target_layer_ids} exceed the target's {tc.num_hidden_layers} layers")
+        if dcfg.hidden_size != tc.hidden_size or dcfg.vocab_size != tc.vocab_size:
+            errs.append("drafter hidden_size/vocab_size differ from the target's")
+    if errs:
+        raise ValueError("invalid config:\n  " + "\n  ".join(errs))
+
+
+def drafter_cfg(cfg, target_config, tokenizer):
+    if cfg.init_drafter:
+        with open(os.path.join(cfg.init_drafter, "config.json")) as f:
+            return DrafterConfig.from_json_dict(json.load(f))
+    mask = cfg.mask_token
+    mask = int(mask) if mask.isdigit() else (mask or None)
+    n = cfg.sliding_layers
+    return drafter_config_from_target(
+        target_config, tokenizer, num_layers=cfg.drafter_layers, num_target_features=cfg.target_features or None,
+        block_size=cfg.block_size, mask_token=mask,
+        layer_types=["sliding_attention"] * n + ["full_attention"] * (cfg.drafter_layers - n),
+        sliding_window=cfg.sliding_window if n else None)
+
+# -----------------------------------------------------------------------------
+# target side: load (meta init, per-rank shard loading), shard, capture
+
+
+class Weights:
+    """Tensors of an HF checkpoint folder, read one at a time (never the whole model in host memory)."""
+
+    def __init__(self, path):
+        from safetensors import safe_open
+        idx = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(idx):
+            with open(idx) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = ["model.safetensors"]
+        self.where = {}
+        for name in files:
+            h = safe_open(os.path.join(path, name), "pt")
+            self.where.update({k: h for k in h.keys()})
+
+    def name(self, key):
+        """A text-model key in the checkpoint's spelling (VLM checkpoints nest it under model.language_model)."""
+        for cand in (key, key.replace("model.", "model.language_model.", 1), key.replace("model.", "", 1)):
+            if cand in self.where:
+                return cand
+        raise KeyError(f"tensor {key!r} not found in the target checkpoint")
+
+    def get(self, key):
+        name = self.name(key)
+        return self.where[name].get_tensor(name)
+
+
+def load_target(cfg, dcfg, d, dtype):
+    """The target's decoder up to the deepest captured layer (later layers and the LM head are never built nor run),
+    created on the meta device, sharded with FSDP2 on the target mesh (per layer, then the root) or replicated,
+    materialized on this rank's device, then filled tensor by tensor with this rank's shard only: peak host memory
+    is one full tensor, not the model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    tc = AutoConfig.from_pretrained(cfg.target).get_text_config()
+    keep = max(dcfg.target_layer_ids) + 1
+    tc.num_hidden_layers = keep
+    if getattr(tc, "layer_types", None):
+        tc.layer_types = tc.layer_types[:keep]
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(tc, dtype=dtype).get_decoder()  # no lm_head
+    base.requires_grad_(False).eval()
+    if d.target_mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+        for layer in base.layers:
+            fully_shard(layer, mesh=d.target_mesh, reshard_after_forward=True)
+        fully_shard(base, mesh=d.target_mesh, reshard_after_forward=True)  # inference: reshard the root too
+    base.to_empty(device=d.device)
+    w = Weights(cfg.target)
+    t0 = time.time()
+    params = dict(base.named_parameters())
+    for i, (name, p) in enumerate(params.items()):
+        full = w.get("model." + name).to(dtype)
+        if hasattr(p, "to_local"):  # FSDP2 DTensor: this mesh rank's dim-0 chunk, as fully_shard splits it
+            chunks = torch.chunk(full, d.target_mesh.size(), dim=0)
+            r = d.target_mesh.get_local_rank()
+            p.to_local().copy_(chunks[r] if r < len(chunks) else full[:0])
+        else:
+            p.data.copy_(full)
+        if d.rank == d.targets[0] and (i + 1) % max(1, len(params) // 5) == 0:
+            print(f"  target weights {i + 1}/{len(params)} ({time.time() - t0:.0f}s)", flush=True)
+    for mname, mod in base.named_modules():
+        for bname, buf in mod._buffers.items():
+            if buf is not None and bname not in mod._non_persistent_buffers_set:
+                buf.copy_(w.get("model." + (f"{mname}.{bname}" if mname else bname)))
+    _reinit_nonpersistent_buffers(base)
+    return base
+
+
+def _reinit_nonpersistent_buffers(model):
+    """to_empty leaves non-persistent buffers (rotary inv_freq) uninitialized: rebuild them from the module's own
+    config, in fp32 on CPU, and copy. Any other such buffer is an error, never garbage."""
+    for mname, mod in model.named_modules():
+        names = [b for b in mod._non_persistent_buffers_set if mod._buffers.get(b) is not None]
+        if not names:
+            continue
+        if not hasattr(mod, "config"):
+            raise RuntimeError(f"cannot initialize non-persistent buffers {names} of {mname} ({type(mod).__name__})")
+        fresh = type(mod)(config=mod.config)
+        for b in names:
+            mod._buffers[b].copy_(fresh._buffers[b])
+
+
+class Capture:
+    """Forward hooks on the decoder layers in target_layer_ids: id k = OUTPUT of decoder layer k, which is HF
+    output_hidden_states[k+1] (spec §1.2); raw residual stream, no final norm. Concatenated in id order."""
+
+    def __init__(self, base, layer_ids):
+        self.base, self.ids, self.out = base, list(layer_ids), {}
+        for i in set(self.ids):
+            base.layers[i].register_forward_hook(self._hook(i))
+
+    def _hook(self, i):
+        def hook(mod, args, output):
+            self.out[i] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    @torch.no_grad()
+    def __call__(self, input_ids_BS):
+        # right padding + causal attention: real tokens never see pads, so no attention mask is needed
+        self.base(input_ids=input_ids_BS, use_cache=False)
+        h = torch.cat([self.out[i] for i in self.ids], dim=-1)  # [B, S, K*D]
+        self.out.clear()
+        return h
+
+
+def load_frozen_tables(path, dtype, device):
+    """Only the embedding and LM head from the target checkpoint (a tied target reuses the embedding)."""
+    w = Weights(path)
+    embed = w.get("model.embed_tokens.weight")
+    try:
+        head = w.get("lm_head.weight")
+    except KeyError:
+        head = embed
+    return embed.to(device, dtype), head.to(device, dtype)
+
+# -----------------------------------------------------------------------------
+# the schedule: static, so every rank knows whom it talks to and nobody needs a coordinator
+#   micro-batch m (a global counter) belongs to optimizer step m // (drafters * grad_accum),
+#   is read and prefilled by target rank targets[m % T] and trained on by drafter rank drafters[m % Dr].
+#   Every rank walks its micro-batches in increasing m, so the lowest outstanding transfer can always proceed.
+
+
+def batch_at(batcher, m):
+    """Micro-batch m of the global stream: epoch m // steps_per_epoch, position m % steps_per_epoch."""
+    batcher.epoch, batcher.step = divmod(m, batcher.steps_per_epoch)
+    return next(batcher)
+
+
+def make_header(batch, m, fwd_s, B):
+    """Fixed-size int64 header, so the receiver can allocate: [m, B, S, forward microseconds, lengths x B]."""
+    ids = batch["input_ids"]
+    h = torch.zeros(4 + B, dtype=torch.long)
+    h[:4] = torch.tensor([m, ids.shape[0], ids.shape[1], int(fwd_s * 1e6)])
+    h[4:4 + ids.shape[0]] = batch["lengths"]
+    return h
+
+
+def run_target(cfg, d, batcher, capture, total_micro, start_micro):
+    """Target rank: prefill micro-batches m = start + r*T + t, send each to its drafter, at most `prefetch` in
+    flight. All target ranks run the same number of forwards (FSDP all-gathers are collective): a rank with no
+    micro-batch left in the last round runs a dummy forward."""
+    T, t = len(d.targets), d.targets.index(d.rank)
+    inflight = deque()
+    for r in range(math.ceil((total_micro - start_micro) / T)):
+        m = start_micro + r * T + t
+        if m >= total_micro:
+            capture(torch.zeros(1, 8, dtype=torch.long, device=d.device))
+            continue
+        batch = batch_at(batcher, m)
+        t0 = time.perf_counter()
+        hidden = capture(batch["input_ids"].to(d.device))
+        if d.device.type == "cuda":
+            torch.cuda.synchronize()
+        fwd = time.perf_counter() - t0
+        dst = d.drafters[m % len(d.drafters)]
+        tensors = [x.to(d.device) for x in (make_header(batch, m, fwd, cfg.batch_size), batch["input_ids"],
+                                            batch["loss_mask"])] + [hidden]
+        inflight.append((tensors, [dist.isend(x, dst, group=d.transport) for x in tensors]))
+        while len(inflight) > cfg.prefetch:
+            for w in inflight.popleft()[1]:
+                w.wait()
+    while inflight:
+        for w in inflight.popleft()[1]:
+            w.wait()
+
+
+class Receiver:
+    """Drafter rank: headers of its next `prefetch` micro-batches are posted ahead, payloads on demand."""
+
+    def __init__(self, cfg, d, hidden_dim, dtype, schedule):
+        self.cfg, self.d, self.C, self.dtype = cfg, d, hidden_dim, dtype
+        self.todo, self.posted = deque(schedule), deque()
+
+    def _post(self, m):
+        h = torch.zeros(4 + self.cfg.batch_size, dtype=torch.long, device=self.d.device)
+        src = self.d.targets[m % len(self.d.targets)]
+        self.posted.append((m, src, h, dist.irecv(h, src, group=self.d.transport)))
+
+    def get(self, m):
+        while len(self.posted) < 1 + self.cfg.prefetch and self.todo:
+            self._post(self.todo.popleft())
+        mm, src, h, work = self.posted.popleft()
+        work.wait()
+        hm, B, S, fwd_us = h[:4].tolist()
+        if not hm == mm == m:
+            raise RuntimeError(f"rank {self.d.rank}: got micro-batch {hm} from rank {src}, expected {m}")
+        ids = torch.empty(B, S, dtype=torch.long, device=self.d.device)
+        lm = torch.empty(B, S, dtype=torch.long, device=self.d.device)
+        hidden = torch.empty(B, S, self.C, dtype=self.dtype, device=self.d.device)
+        for w in [dist.irecv(x, src, group=self.d.transport) for x in (ids, lm, hidden)]:
+            w.wait()
+        return {"input_ids": ids, "loss_mask": lm, "lengths": h[4:4 + B].cpu()}, hidden, fwd_us * 1e-6
+
+# -----------------------------------------------------------------------------
+# drafter side: schedule, optimizer
+
+
+def lr_at(cfg, step, total):
+    """Linear warmup from lr/W to lr over W = int(warmup_ratio * total) steps, then cosine to 0 (spec §4.2)."""
+    W = int(cfg.warmup_ratio * total)
+    if step < W:
+        return cfg.lr * (step + 1) / W
+    return 0.5 * cfg.lr * (1 + math.cos(math.pi * (step - W) / max(1, total - W)))
+
+
+class Optimizer:
+    """AdamW over fp32 master weights (the drafter itself may be bf16). Gradients go into one flat fp32 buffer,
+    reduced once per step across drafter ranks and divided by the global token-weight sum (an exact token-weighted
+    mean over ranks and micro-batches), then clipped by their global L2 norm."""
+
+    def __init__(self, cfg, drafter, d):
+        self.cfg, self.d = cfg, d
+        self.params = list(drafter.parameters())
+        fp32 = all(p.dtype == torch.float32 for p in self.params)
+        self.masters = self.params if fp32 else [p.detach().float().requires_grad_() for p in self.params]
+        self.flat = torch.zeros(sum(p.numel() for p in self.params), device=self.params[0].device)
+        self.views, off = [], 0
+        for p in self.params:
+            self.views.append(self.flat[off:off + p.numel()].view_as(p))
+            off += p.numel()
+        self.opt = torch.optim.AdamW(self.masters, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                     weight_decay=cfg.weight_decay, fused=self.flat.is_cuda)
+
+    def step(self, lr, weight_sum):
+        """p.grad holds d(sum of weighted CE)/dp of this rank; returns the global grad norm before clipping."""
+        for v, p in zip(self.views, self.params):
+            if p.grad is None:
+                v.zero_()
+            else:
+                v.copy_(p.grad)
+                p.grad = None
+        if len(self.d.drafters) > 1:
+            dist.all_reduce(self.flat, group=self.d.drafter_group)
+        self.flat.div_(max(weight_sum, 1e-12))
+        norm = torch.linalg.vector_norm(self.flat)
+        self.flat.mul_(torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0))
+        for mp, v in zip(self.masters, self.views):
+            mp.grad = v
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.opt.step()
+        if self.masters is not self.params:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, self.masters)
+        return norm.item()
+
+    def load(self, state):
+        with torch.no_grad():
+            for mp, s in zip(self.masters, state["masters"]):
+                mp.copy_(s)
+            if self.masters is not self.params:
+                torch._foreach_copy_(self.params, self.masters)
+        self.opt.load_state_dict(state["optimizer"])
+
+# -----------------------------------------------------------------------------
+# checkpoints and logs
+
+
+def list_ckpts(run_dir):
+    if not os.path.isdir(run_dir):
+        return []
+    return sorted(c for c in os.listdir(run_dir) if c.startswith("ckpt-") and not c.endswith(".tmp"))
+
+
+def save_checkpoint(run_dir, step, drafter, optim, cfg, micro):
+    """Released-format drafter + train_state.pt, written into a temp dir and renamed: never a torn checkpoint."""
+    final = os.path.join(run_dir, f"ckpt-{step:07d}")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_drafter(drafter, tmp, dtype=torch.bfloat16)
+    torch.save({"step": step, "micro_batch": micro, "masters": [mp.detach().cpu() for mp in optim.masters],
+                "optimizer": optim.opt.state_dict(), "config": asdict(cfg)}, os.path.join(tmp, "train_state.pt"))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in list_ckpts(run_dir)[:-cfg.keep_ckpts]:
+        shutil.rmtree(os.path.join(run_dir, old), ignore_errors=True)
+    return final
+
+
+def find_resume(cfg, run_dir):
+    if cfg.resume == "auto":
+        ckpts = list_ckpts(run_dir)
+        return os.path.join(run_dir, ckpts[-1]) if ckpts else None
+    return cfg.resume or None
+
+
+def plot_curves(run_dir):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(x) for x in f]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
+    for ax, key in zip(axes, ("loss", "acc", "tau_est")):
+        ax.plot([r["step"] for r in rows], [r[key] for r in rows])
+        ax.set_title(key)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(os.path.join(run_dir, "curves.png"), dpi=100)
+    plt.close(fig)
+
+
+def write_run_info(run_dir, cfg, d, dcfg):
+    import transformers
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump({"train": asdict(cfg), "drafter": dcfg.to_json_dict(), "world": d.world,
+                   "targets": d.targets, "drafters": d.drafters}, f, indent=2)
+    info = [f"python {sys.version.split()[0]}", f"torch {torch.__version__}",
+            f"transformers {transformers.__version__}", f"cuda {torch.version.cuda}"]
+    try:
+        info.append(subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20).stdout)
+    except (OSError, subprocess.TimeoutExpired):
+        info.append("nvidia-smi: not available")
+    with open(os.path.join(run_dir, "env.txt"), "w") as f:
+        f.write("\n".join(info))
+
+
+def log_line(cfg, d, run_dir, step, total, s, gnorm, lr, dt, K, recompiles):
+    loss, wsum, tau, blocks, tokens, seqs, fwd, busy = s[:8].tolist()
+    correct, count = s[8:8 + K], s[8 + K:]
+    T, Dr = len(d.targets), len(d.drafters)
+    colocated = d.world == 1
+    t_busy = fwd / (T * dt)  # summed per-GPU busy seconds over (GPUs x wall seconds)
+    d_busy = busy / (Dr * dt)
+    cap_t, cap_d = seqs / max(fwd, 1e-9), seqs / max(busy, 1e-9)  # sequences/s one GPU of each role sustains
+    balance = d.world * cap_d / (cap_t + cap_d)  # target GPUs that would exactly feed the rest
+    mem = torch.cuda.max_memory_allocated() / 2 ** 30 if d.device.type == "cuda" else 0.0
+    rec = dict(step=step, loss=loss / max(wsum, 1e-12), acc=(correct.sum() / count.sum().clamp(min=1)).item(),
+               tau_est=tau / max(blocks, 1), lr=lr, grad_norm=gnorm, tok_s=tokens / dt, seq_s=seqs / dt,
+               target_busy=t_busy, drafter_busy=d_busy, target_seq_s_per_gpu=cap_t, drafter_seq_s_per_gpu=cap_d,
+               balanced_target_gpus=balance, mem_gb=mem, recompiles=recompiles,
+               acc_k=(correct / count.clamp(min=1)).tolist()[1:], time=time.time())
+    print(f"step={step}/{total} loss={rec['loss']:.4f} acc={rec['acc']:.3f} tau_est={rec['tau_est']:.2f} "
+          f"lr={lr:.2e} gnorm={gnorm:.2f} tok/s={rec['tok_s']:.0f} target_busy={t_busy:.0%} "
+          f"drafter_busy={d_busy:.0%} mem={mem:.1f}GB | capacity seq/s/GPU target={cap_t:.2f} "
+          f"drafter={cap_d:.2f}" + ("" if colocated else f" -> balanced split {balance:.1f}:{d.world - balance:.1f}")
+          + (f" RECOMPILES={recompiles}" if recompiles else ""), flush=True)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def print_roles(d):
+    print(f"world {d.world} on {d.device.type}: rank -> role")
+    for r in range(d.world):
+        print(f"  rank {r}: " + ("target+drafter" if r in d.targets and r in d.drafters else
+                                 "target" if r in d.targets else "drafter"))
+
+# -----------------------------------------------------------------------------
+# main
+
+
+def main(cfg):
+    from transformers import AutoConfig, AutoTokenizer
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    target_config = AutoConfig.from_pretrained(cfg.target)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+    validate(cfg, world, target_config, tokenizer)  # before any process group or GPU memory
+    d = None
+    try:
+        d = setup_dist(cfg)
+        train(cfg, d, target_config, tokenizer)
+    except BaseException as e:
+        rank = d.rank if d else int(os.environ.get("RANK", "0"))
+        sys.stdout.flush()
+        sys.stderr.write(f"\n[rank {rank} ({d.role if d else '?'})] FAILED: {type(e).__name__}: {e}\n"
+                         f"{traceback.format_exc()}")
+        sys.stderr.flush()
+        os._exit(1)  # never wait in NCCL/gloo destructors: torchrun sees the exit and stops every other rank
+    teardown_dist(d)
+
+
+def maybe_fail(d, step):
+    """Failure-path test hook: DFLASH_FAIL_AT=rank:step raises on that rank at that step."""
+    spec = os.environ.get("DFLASH_FAIL_AT")
+    if spec and [int(x) for x in spec.split(":")] == [d.rank, step]:
+        raise RuntimeError(f"injected failure (DFLASH_FAIL_AT={spec})")
+
+
+def train(cfg, d, target_config, tokenizer):
+    from data import Batcher, default_cache_dir, load_tokenized
+    dtype = getattr(torch, cfg.dtype)
+    dcfg = drafter_cfg(cfg, target_config, tokenizer)
+    run_dir = os.path.join(cfg.out_dir, cfg.run_name)
+    if d.rank == 0:
+        print_roles(d)
+        write_run_info(run_dir, cfg, d, dcfg)
+        print(f"drafter: {dcfg.num_hidden_layers} layers {dcfg.layer_types}, target layers {dcfg.target_layer_ids}, "
+              f"mask token {dcfg.mask_token_id}, block {dcfg.block_size}", flush=True)
+
+    # data: rank 0 tokenizes into the on-disk cache once; everybody else then maps it
+    cache = default_cache_dir() / "tokenized"
+    load = lambda: load_tokenized(cfg.data, tokenizer, cfg.max_length, cache, skip_invalid=cfg.skip_invalid)  # noqa
+    data = load() if d.rank == 0 else None
+    if d.world > 1:
+        dist.barrier(group=d.transport)
+    data = data if data is not None else load()
+    batcher = Batcher(data, cfg.batch_size, seed=cfg.seed, pad_id=tokenizer.pad_token_id or 0,
+                      pad_multiple=cfg.pad_multiple)
+    per_step = len(d.drafters) * cfg.grad_accum  # micro-batches per optimizer step
+    steps_per_epoch = batcher.steps_per_epoch // per_step
+    if steps_per_epoch < 1 and not cfg.max_steps:
+        raise ValueError(f"{len(data)} sequences do not fill one optimizer step of {per_step * cfg.batch_size}")
+    total = cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))
+    resume = find_resume(cfg, run_dir)
+    state = torch.load(os.path.join(resume, "train_state.pt"), weights_only=False) if resume else None
+    start = state["step"] if state else 0
+    if d.rank == 0:
+        print(f"data: {len(data)} sequences, {steps_per_epoch} optimizer steps/epoch, {total} steps of "
+              f"{per_step} micro-batches x {cfg.batch_size}" + (f"; resuming at step {start}" if state else ""),
+              flush=True)
+
+    capture = None
+    if d.is_target:
+        t0 = time.time()
+        capture = Capture(load_target(cfg, dcfg, d, dtype), dcfg.target_layer_ids)
+        if d.rank == d.targets[0]:
+            shard = "colocated" if d.world == 1 else cfg.target_shard
+            print(f"target loaded ({shard}) in {time.time() - t0:.1f}s", flush=True)
+    if not d.is_drafter:
+        run_target(cfg, d, batcher, capture, total * per_step, start * per_step)
+        return
+
+    # ---- drafter ranks (and the colocated process)
+    torch.manual_seed(cfg.seed)  # identical init on every drafter rank
+    drafter = load_drafter(cfg.init_drafter) if cfg.init_drafter else DFlashDrafter(dcfg)
+    drafter = drafter.to(d.device, dtype)
+    embed, head = load_frozen_tables(cfg.target, dtype, d.device)
+    optim = Optimizer(cfg, drafter, d)
+    if state:
+        optim.load(state)
+    backend = "flex" if d.device.type == "cuda" else "sdpa"
+    if backend == "flex":
+        configure_compile()
+    Dr, di, K = len(d.drafters), d.drafters.index(d.rank), dcfg.block_size
+    mine = deque(m for s in range(start, total) for m in range(s * per_step + di, (s + 1) * per_step, Dr))
+    receiver = None if d.is_target else Receiver(cfg, d, len(dcfg.target_layer_ids) * dcfg.hidden_size, dtype, mine)
+    if d.leader and not state and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        os.remove(os.path.join(run_dir, "metrics.jsonl"))
+    acc, t_log, warm_graphs = None, time.perf_counter(), None
+    for step in range(start, total):
+        # [loss_sum, weight_sum, tau_sum, blocks, tokens, sequences, target s, drafter s, correct_K, count_K]
+        stats = torch.zeros(8 + 2 * K, dtype=torch.float64)
+        for _ in range(cfg.grad_accum):
+            m = mine.popleft()
+            if receiver is None:  # colocated: this process runs the target too
+                batch = batch_at(batcher, m)
+                t0 = time.perf_counter()
+                hidden = capture(batch["input_ids"].to(d.device))
+                if d.device.type == "cuda":
+                    torch.cuda.synchronize()
+                fwd = time.perf_counter() - t0
+                batch = {k: v.to(d.device) for k, v in batch.items()}
+            else:
+                batch, hidden, fwd = receiver.get(m)
+            t0 = time.perf_counter()
+            # anchors depend only on (seed, m): the same sequences get the same blocks whatever the topology
+            gen = torch.Generator(d.device).manual_seed(cfg.seed * 1_000_003 + m)
+            anchors, keep = sample_anchors(batch["loss_mask"], cfg.num_anchors, gen)
+            r = dflash_loss(drafter, embed, head, batch["input_ids"], batch["loss_mask"], hidden, anchors, keep,
+                            gamma=cfg.gamma, backend=backend, chunk_blocks=cfg.loss_chunk)
+            r["loss_sum"].backward()  # the numerator; normalized once the global weight sum is known
+            head_stats = torch.stack([r["loss_sum"].detach(), r["weight_sum"], r["tau_sum"], r["blocks"]])
+            stats += torch.cat([head_stats.double().cpu(),
+                                torch.tensor([float(batch["lengths"].sum()), len(batch["lengths"]), fwd, 0.0],
+                                             dtype=torch.float64),
+                                r["correct_K"].double().cpu(), r["count_K"].double().cpu()])
+            stats[7] += time.perf_counter() - t0  # .cpu() above synchronized
+            maybe_fail(d, step)
+        if Dr > 1:
+            stats = stats.to(d.device)
+            dist.all_reduce(stats, group=d.drafter_group)
+            stats = stats.cpu()
+        t0 = time.perf_counter()
+        lr = lr_at(cfg, step, total)
+        gnorm = optim.step(lr, stats[1].item())
+        stats[7] += (time.perf_counter() - t0) * Dr  # optimizer time is drafter busy time on every drafter
+        acc = stats if acc is None else acc + stats
+        done = step + 1
+        if warm_graphs is None and done - start >= 2:  # compile warm-up is over after two steps
+            warm_graphs = compile_count()
+        if d.leader and (done % cfg.log_every == 0 or done == total):
+            log_line(cfg, d, run_dir, done, total, acc, gnorm, lr, time.perf_counter() - t_log, K,
+                     compile_count() - (warm_graphs or compile_count()))
+            acc, t_log = None, time.perf_counter()
+        if d.leader and (done % cfg.ckpt_every == 0 or done == total):
+            path = save_checkpoint(run_dir, done, drafter, optim, cfg, done * per_step)
+            plot_curves(run_dir)
+            print(f"checkpoint {path}", flush=True)
+    if d.leader:
+        print(f"done: {total} steps; checkpoints in {run_dir}", flush=True)
+
+
+if __name__ == "__main__":
+    main(parse_config(sys.argv[1:]))
