@@ -1,0 +1,220 @@
+"""eval.py: speculative decoding is lossless, acceptance is counted right, the CLI loads a checkpoint and writes
+its JSON + PNG. Tiny random targets built from configs (no hub), CPU, fp32 unless a test says otherwise."""
+
+import copy
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+import eval as ev
+from model import DFlashDrafter, drafter_config_from_target, save_drafter
+
+V, EOS, MASK, MAX_NEW = 128, 2, 5, 40
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny matmuls gain nothing from threads, and on a busy 2-core box two threads spin against each other (10x slower)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_target(arch="llama", seed=0):
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1,
+              eos_token_id=EOS, pad_token_id=0, initializer_range=0.2)  # wide init: peaked, varied greedy text
+    if arch == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **kw)).eval()
+    return LlamaForCausalLM(LlamaConfig(**kw)).eval()
+
+
+def tiny_drafter(target, block_size=16, seed=1):
+    torch.manual_seed(seed)
+    cfg = drafter_config_from_target(target.config, None, num_layers=2, mask_token=MASK, block_size=block_size,
+                                     target_layer_ids=[1, 2])  # the released rule needs >= 4 ids apart; 4 layers
+    return DFlashDrafter(cfg).eval()
+
+
+def prompts(n=4, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(6, V, (L,), generator=g).tolist() for L in (3, 8, 17, 30)[:n]]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    t = tiny_target("llama")
+    return t, tiny_drafter(t)
+
+
+def test_features_offset():
+    """id k -> hidden_states[k+1] (output of decoder layer k), concatenated in id order."""
+    hs = tuple(torch.full((1, 3, 2), float(i)) for i in range(5))
+    f = ev.features(hs, [0, 2])
+    assert f.shape == (1, 3, 4)
+    assert f[0, 0].tolist() == [1, 1, 3, 3]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_lossless_random_drafter(arch):
+    """Greedy speculative output == the target's greedy output, several prompts, block sizes 1, 4, 16; the
+    baseline itself == HF generate. evaluate() raises on any mismatch, and we compare here too."""
+    target = tiny_target(arch)
+    drafter = tiny_drafter(target)
+    ps = prompts()
+    greedy = [ev.plain_decode(target, p, MAX_NEW, {EOS}) for p in ps]
+    ref = target.generate(torch.tensor([ps[2]]), do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=EOS,
+                          pad_token_id=0)[0, len(ps[2]):].tolist()
+    assert greedy[2] == ref[:len(greedy[2])]
+    assert len(set(greedy[2])) > 3  # a real, varied continuation, not one repeated token
+    for K in (1, 4, 16):
+        res = ev.evaluate(target, None, drafter, ps, MAX_NEW, block_size=K, eos_ids=[EOS], warmup=False)
+        assert res["lossless"] is True and res["divergences"] == []
+        for p, g in zip(ps, greedy):
+            out, committed, accepted, verified = ev.spec_decode(target, drafter, p, MAX_NEW, K, {EOS})
+            assert out == g
+            assert sum(committed) == len(out) - 1  # every token after the prefill's first comes from a cycle
+            assert max(verified) <= K
+        assert len(res["accept_hist"]) == K and sum(res["accept_hist"]) == res["cycles"]
+        if K == 1:
+            assert res["tau"] == 1.0 and res["pos_accept"] == []
+
+
+def test_eos_inside_block(llama):
+    """An EOS committed mid-block ends the output right after it, exactly where greedy decoding stops."""
+    target, drafter = llama
+    p = prompts()[1]
+    free = ev.plain_decode(target, p, MAX_NEW, set())
+    stop = free[11]
+    j = free.index(stop)
+    assert ev.plain_decode(target, p, MAX_NEW, {stop}) == free[:j + 1]
+    for K in (4, 16):
+        out, *_ = ev.spec_decode(target, drafter, p, MAX_NEW, K, {stop})
+        assert out == free[:j + 1]
+
+
+def _scripted(monkeypatch, target, p, shift):
+    """Replace the drafter by the target's own greedy continuation (+shift mod V: shift 0 = oracle, else never
+    right). Returns that greedy continuation."""
+    full = p + ev.plain_decode(target, p, MAX_NEW, set())
+
+    def draft(drafter, target_, block, new_hidden, cache, start, temperature, generator):
+        K = block.shape[1]
+        toks = (full[start + 1:start + K] + [0] * K)[:K - 1]
+        return (torch.tensor([toks]) + shift) % V, cache
+
+    monkeypatch.setattr(ev, "draft", draft)
+    return full[len(p):]
+
+
+@pytest.mark.parametrize("K", [4, 16])
+def test_oracle_drafter_accepts_whole_blocks(monkeypatch, llama, K):
+    target, drafter = llama
+    p = prompts()[2]
+    greedy = _scripted(monkeypatch, target, p, shift=0)
+    out, committed, accepted, verified = ev.spec_decode(target, drafter, p, MAX_NEW, K, set())
+    assert out == greedy
+    assert committed[:-1] == [K] * (len(committed) - 1)  # every full block: K-1 drafts + the bonus
+    assert accepted == [k - 1 for k in verified]
+    res = ev.evaluate(target, None, drafter, [p], MAX_NEW, block_size=K, eos_ids=[])
+    assert res["pos_accept"] == [1.0] * (K - 1)
+    assert res["accept_hist"][K - 1] == res["cycles"] - 1
+    cycles = -(-(MAX_NEW - 1) // K)  # MAX_NEW - 1 tokens after the first, K per cycle
+    assert res["cycles"] == cycles and res["tau"] == pytest.approx((MAX_NEW - 1) / cycles)
+
+
+def test_wrong_drafter_tau_one(monkeypatch, llama):
+    target, drafter = llama
+    p = prompts()[2]
+    greedy = _scripted(monkeypatch, target, p, shift=1)
+    res = ev.evaluate(target, None, drafter, [p], MAX_NEW, block_size=16, eos_ids=[])
+    assert res["tau"] == 1.0 and res["pos_accept"] == [0.0] * 15
+    assert res["accept_hist"][0] == res["cycles"] == MAX_NEW - 1
+    assert res["lossless"] is True  # a useless drafter slows decoding down but never changes the output
+    assert ev.spec_decode(target, drafter, p, MAX_NEW, 16, set())[0] == greedy
+
+
+def test_check_catches_a_broken_loop(monkeypatch, llama):
+    """The lossless check can fail: a loop that forgets to crop the target cache after rejections is caught."""
+    target, drafter = llama
+    monkeypatch.setattr(ev, "crop", lambda cache, length: None)
+    with pytest.raises(ev.LosslessError, match="prompt 0"):
+        ev.evaluate(target, None, drafter, prompts(1), MAX_NEW, block_size=4, eos_ids=[EOS], warmup=False)
+
+
+def test_divergence_raises_in_fp32_reported_in_bf16(monkeypatch, llama):
+    """A mismatch at new token 5 (forced through the baseline): fp32 raises with prompt and position; bf16 reports
+    it with the fp32 logit gaps of both tokens instead of failing."""
+    target, drafter = llama
+    plain = ev.plain_decode
+
+    def off_by_one(target_, p, *a, **kw):
+        g = plain(target_, p, *a, **kw)
+        return g[:5] + [(g[5] + 1) % V] + g[6:]
+
+    monkeypatch.setattr(ev, "plain_decode", off_by_one)
+    with pytest.raises(ev.LosslessError, match="prompt 0, new token 5"):
+        ev.evaluate(target, None, drafter, prompts(1), MAX_NEW, block_size=4, eos_ids=[], warmup=False)
+    t16 = copy.deepcopy(target).to(torch.bfloat16)
+    d16 = copy.deepcopy(drafter).to(torch.bfloat16)
+    res = ev.evaluate(t16, None, d16, prompts(2), MAX_NEW, block_size=4, eos_ids=[], warmup=False)
+    assert res["lossless"] is False and res["config"]["dtype"] == "bfloat16"
+    forced = [d for d in res["divergences"] if d["position"] == 5]
+    assert {d["prompt"] for d in forced} == {0, 1}
+    for d in forced:
+        assert d["plain_token"] == (d["spec_token"] + 1) % V
+        assert d["gap_spec"] >= 0 and d["gap_plain"] >= 0 and d["gap_spec"] != d["gap_plain"]
+
+
+def test_sampling_is_seeded(llama):
+    target, drafter = llama
+    run = lambda seed: ev.evaluate(target, None, drafter, prompts(2), 24, temperature=1.0, block_size=4,
+                                   eos_ids=[], seed=seed, warmup=False)
+    a, b, c = run(0), run(0), run(1)
+    assert a["per_prompt"] == b["per_prompt"] and a["lossless"] is None
+    outs = lambda seed: [ev.spec_decode(target, drafter, p, 24, 4, set(), 1.0, torch.Generator().manual_seed(seed))[0]
+                         for p in prompts(2)]
+    assert outs(0) == outs(0) != outs(1)
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = ["<unk>", "<s>", "</s>", "user", "assistant", "<mask>", "system"] + [f"w{i}" for i in range(7, V)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+                          "{% if add_generation_prompt %}<s> assistant {% endif %}")
+    return fast
+
+
+def test_cli_loads_checkpoint_writes_json_and_png(tmp_path, llama):
+    target, drafter = llama
+    tok = tiny_tokenizer()
+    target.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    save_drafter(drafter, tmp_path / "drafter", dtype=None)  # fp32 round trip: the same drafter, bit for bit
+    convs = [[{"role": "user", "content": "w9 w33 w71"}, {"role": "assistant", "content": "w8 w8"}],
+             [{"role": "system", "content": "w100"}, {"role": "user", "content": "w12 w13 w14 w15 w99"}],
+             [{"role": "user", "content": "w40"}, {"role": "assistant", "content": "w41"},
+              {"role": "user", "content": "w42 w43"}]]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in convs))
+    res = ev.main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--data", str(data),
+                   "--max-new-tokens", "24", "--block-size", "8", "--limit", "2", "--device", "cpu",
+                   "--out", str(tmp_path / "out")])
+    saved = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert saved["tau"] == res["tau"] and saved["config"]["block_size"] == 8 and saved["config"]["prompts"] == 2
+    assert saved["lossless"] is True and saved["speedup"] > 0
+    assert (tmp_path / "out" / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the final assistant turn is not part of the prompt; the loaded drafter decodes exactly like the in-memory one
+    assert saved["per_prompt"][0]["prompt_tokens"] == len(ev.render(tok, convs[0][:1]))
+    ref = ev.evaluate(target, tok, drafter, [c[:1] for c in convs[:1]] + [convs[1]], 24, block_size=8,
+                      warmup=False)
+    assert [r["committed"] for r in saved["per_prompt"]] == [r["committed"] for r in ref["per_prompt"]]
