@@ -421,21 +421,26 @@ def run_target(cfg, d, batcher, capture, total_micro, start_micro):
 
 
 class Receiver:
-    """Drafter rank: headers of its next `prefetch` micro-batches are posted ahead, payloads on demand."""
+    """Drafter rank: receives its micro-batches in schedule order. Messages between two ranks match in the order
+    they were posted, so only the header of the NEXT micro-batch is posted ahead (while this one trains); the
+    payload is posted once its header says how large it is."""
 
     def __init__(self, cfg, d, hidden_dim, dtype, schedule):
         self.cfg, self.d, self.C, self.dtype = cfg, d, hidden_dim, dtype
-        self.todo, self.posted = deque(schedule), deque()
+        self.todo, self.posted = deque(schedule), None
 
-    def _post(self, m):
-        h = torch.zeros(4 + self.cfg.batch_size, dtype=torch.long, device=self.d.device)
-        src = self.d.targets[m % len(self.d.targets)]
-        self.posted.append((m, src, h, dist.irecv(h, src, group=self.d.transport)))
+    def _post_next(self):
+        if self.todo:
+            m = self.todo.popleft()
+            h = torch.zeros(4 + self.cfg.batch_size, dtype=torch.long, device=self.d.device)
+            src = self.d.targets[m % len(self.d.targets)]
+            self.posted = (m, src, h, dist.irecv(h, src, group=self.d.transport))
 
     def get(self, m):
-        while len(self.posted) < 1 + self.cfg.prefetch and self.todo:
-            self._post(self.todo.popleft())
-        mm, src, h, work = self.posted.popleft()
+        if self.posted is None:
+            self._post_next()
+        mm, src, h, work = self.posted
+        self.posted = None
         work.wait()
         hm, B, S, fwd_us = h[:4].tolist()
         if not hm == mm == m:
@@ -445,6 +450,7 @@ class Receiver:
         hidden = torch.empty(B, S, self.C, dtype=self.dtype, device=self.d.device)
         for w in [dist.irecv(x, src, group=self.d.transport) for x in (ids, lm, hidden)]:
             w.wait()
+        self._post_next()
         return {"input_ids": ids, "loss_mask": lm, "lengths": h[4:4 + B].cpu()}, hidden, fwd_us * 1e-6
 
 # -----------------------------------------------------------------------------
@@ -495,6 +501,8 @@ class Optimizer:
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.opt.step()
+        for mp in self.masters:  # fp32 runs: masters are the params, whose next backward must start from zero
+            mp.grad = None
         if self.masters is not self.params:
             with torch.no_grad():
                 torch._foreach_copy_(self.params, self.masters)
