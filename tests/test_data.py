@@ -318,7 +318,8 @@ def hf_greedy(model, tok, msgs, max_new_tokens):
     enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True, return_tensors="pt")
     out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens)[0, enc["input_ids"].shape[1]:]
     out = out.tolist()
-    return tok.decode(out[:out.index(tok.eos_token_id)] if tok.eos_token_id in out else out)
+    out = out[:out.index(tok.eos_token_id)] if tok.eos_token_id in out else out
+    return tok.decode(out, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 def test_regenerate_equals_hf_greedy_on_chitchat(tmp_path, target):
