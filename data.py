@@ -613,6 +613,12 @@ def prepare_demo(cache_dir=None, n_train=None, n_eval=None, max_new_tokens=None,
             subsets[name].write_text("".join(lines[:n]), encoding="utf-8")
     train = cache / f"chitchat_train_{n_train}_m{max_new_tokens}.jsonl"
     regenerate_file(target, subsets["train"], train, device, batch_size=batch_size, max_new_tokens=max_new_tokens)
+    # files are named by their sizes (a CPU and a GPU corpus can share a cache); fixed names point at
+    # the latest build, for configs that want one path
+    for link, dst in ((cache / "chitchat_train.jsonl", train), (cache / "chitchat_eval.jsonl", subsets["eval"])):
+        tmp = link.with_suffix(f".tmp{os.getpid()}")
+        tmp.symlink_to(dst.name)
+        os.replace(tmp, link)
     return {"target": target, "train": train, "eval": subsets["eval"], "mask_token_id": SMOLLM2_MASK_TOKEN_ID}
 
 

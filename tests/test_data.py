@@ -407,7 +407,21 @@ def test_prepare_demo_cached(tmp_path, target_dir, capsys):
     tr = {json.loads(x)["id"] for x in (tmp_path / "chitchat_prompts_train.jsonl").read_text().splitlines()}
     assert len(full) == 7168 and len(ev) + len(tr) == 7168 and not ev & tr and 600 < len(ev) < 850
     assert ev == {json.loads(x)["id"] for x in full if data._stable_hash(json.loads(x)["id"]) % 10 == 0}
+    assert (tmp_path / "chitchat_train.jsonl").read_text() == out["train"].read_text()  # fixed-name links
+    assert (tmp_path / "chitchat_eval.jsonl").read_text() == out["eval"].read_text()
     mtime = out["train"].stat().st_mtime_ns
     capsys.readouterr()
     assert data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8) == out
     assert "exists, skipping" in capsys.readouterr().out and out["train"].stat().st_mtime_ns == mtime
+
+
+def test_cli_tokenize(tmp_path, capsys, target_dir):
+    src = tmp_path / "d.jsonl"
+    src.write_text(json.dumps({"messages": MULTI}) + "\n" + '{"messages": [{"role": "bot", "content": "x"}]}\n')
+    argv = ["tokenize", "--model", str(target_dir), "--data", str(src), "--max_length", "64",
+            "--cache_dir", str(tmp_path / "c"), "--chat_kwargs", '{"enable_thinking": false}']
+    with pytest.raises(ValueError, match=r"d.jsonl:2: unknown role"):
+        data.main(argv)
+    data.main(argv + ["--skip_invalid"])
+    out = capsys.readouterr().out
+    assert "2 records, kept 1, skipped 1 (unknown role: 1)" in out and "tokenize: 1 sequences" in out
