@@ -4,6 +4,7 @@ GPU benchmarks that print figures (results go to BENCHMARKS.md with date, hardwa
     python bench.py drafter              # Qwen3.6-27B drafter shapes: mask build, fwd+bwd+loss step, MFU, memory,
                                          # recompiles over varying lengths, where the time goes
     python bench.py drafter --preset smol --seq 1024 --anchors 256
+    python bench.py target               # Qwen3.6-27B-shaped target (random weights), our capture path, MFU
 
 Timing is honest (STYLE.md §11): compile and warm up first, synchronize before reading the clock, and report MFU
 against a bf16 matmul ceiling measured in the same process as well as against the 989 TFLOP/s H200 datasheet.
@@ -184,9 +185,54 @@ def bench_drafter(args):
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
 
 
+# Qwen3.6-27B text stack (hybrid: 3 Gated-DeltaNet layers + 1 gated full-attention layer, 16 times). Shapes from
+# the released config as we know it (DFLASH_SPEC §1.6, ANCHORS §3c); the bench prints the parameter count to check.
+QWEN36_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                  num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                  linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+                  linear_conv_kernel_dim=4, rms_norm_eps=1e-6, max_position_embeddings=262144,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+
+
+def bench_target(args):
+    """The target side exactly as train.py runs it (decoder truncated after the deepest captured layer, no LM head,
+    forward hooks capture the chosen layers), random bf16 weights from the Qwen3.6-27B shapes."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig
+    from train import Capture
+    ids = [1, 16, 31, 46, 61]
+    tc = Qwen3_5TextConfig(**QWEN36_27B)
+    keep = max(ids) + 1
+    tc.num_hidden_layers, tc.layer_types = keep, tc.layer_types[:keep]
+    try:
+        import fla  # noqa: F401  (flash-linear-attention kernels for the Gated-DeltaNet layers)
+        kernels = "fla " + fla.__version__
+    except ImportError:
+        kernels = "torch fallback (no flash-linear-attention)"
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    with torch.device("cuda"):
+        base = AutoModelForCausalLM.from_config(tc, dtype=torch.bfloat16).get_decoder().eval().requires_grad_(False)
+    n_body = sum(p.numel() for n, p in base.named_parameters() if "embed" not in n)
+    print(f"target: {keep}/64 layers built in {time.perf_counter() - t0:.0f}s, {n_body / 1e9:.2f}B non-embedding "
+          f"params (+{base.embed_tokens.weight.numel() / 1e9:.2f}B embedding), kernels: {kernels}")
+    cap = Capture(base, ids)
+    ceiling = matmul_ceiling()
+    print(f"bf16 8192^3 matmul ceiling: {ceiling / 1e12:.0f} TFLOP/s")
+    n_attn = sum(t == "full_attention" for t in tc.layer_types)
+    for B, S in ((1, 2048), (1, 4096), (4, 2048), (2, 4096)):
+        x = torch.randint(0, tc.vocab_size, (B, S), device="cuda")
+        ms = cuda_time(lambda: cap(x), args.iters, warmup=2)
+        # 2 FLOP per weight per token + causal attention (QK^T and PV over S/2 keys on average) in full layers
+        fl = B * S * (2 * n_body + n_attn * 2 * 2 * (S / 2) * tc.num_attention_heads * tc.head_dim)
+        print(f"B={B} S={S}: {ms:.0f} ms/forward, {B * S / (ms * 1e-3):.0f} tokens/s, {fl / (ms * 1e-3) / 1e12:.0f} "
+              f"TFLOP/s = {fl / (ms * 1e-3) / ceiling:.0%} of measured matmul, "
+              f"{fl / (ms * 1e-3) / H200_PEAK:.0%} MFU(989); peak mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["drafter"])
+    ap.add_argument("what", choices=["drafter", "target"])
     ap.add_argument("--preset", default="27b", choices=list(PRESETS))
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--anchors", type=int, default=512)
@@ -195,4 +241,4 @@ if __name__ == "__main__":
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
-    bench_drafter(args)
+    bench_drafter(args) if args.what == "drafter" else bench_target(args)

@@ -89,6 +89,11 @@ PRESETS = {
                  mask_token="<empty_output>", drafter_layers=2, target_features=5, sliding_layers=0,
                  max_length=384, batch_size=4, num_anchors=48, lr=1e-3, warmup_ratio=0.05, epochs=1.0,
                  target_ranks=2, drafter_ranks=1, log_every=5, ckpt_every=100, pad_multiple=64),
+    # the same demo on GPUs: a 5-layer drafter, responses of up to 256 tokens, every response position anchored
+    "demo_gpu": dict(target="{cache}/smollm2-135m-instruct", data="{cache}/chitchat_train.jsonl",
+                     mask_token="<empty_output>", drafter_layers=5, target_features=5, sliding_layers=0,
+                     max_length=512, batch_size=16, num_anchors=256, lr=6e-4, warmup_ratio=0.04, epochs=8.0,
+                     target_ranks=1, drafter_ranks=1, log_every=50, ckpt_every=1000, pad_multiple=64),
 }
 
 
