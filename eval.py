@@ -163,8 +163,6 @@ def evaluate(target, tokenizer, drafter, prompts, max_new_tokens=256, temperatur
     eos = set(eos_ids) if eos_ids is not None else stop_ids(tokenizer, target)
     prompts = [p if p and isinstance(p[0], int) else render(tokenizer, p) for p in prompts]
     dev, dtype = target.device, next(target.parameters()).dtype
-    if drafter is not None:
-        drafter.eval()
     gen = lambda i: torch.Generator(device=dev).manual_seed(seed + i)  # per prompt: order-independent samples
     if warmup:  # first calls pay allocator/kernel set-up; keep them off the clock
         spec_decode(target, drafter, prompts[0], min(max_new_tokens, 2 * K), K, eos, temperature, gen(0))
@@ -194,6 +192,7 @@ def evaluate(target, tokenizer, drafter, prompts, max_new_tokens=256, temperatur
         n_plain += len(base)
         if temperature > 0 or out == base:
             continue
+        # only the first divergence of a prompt is meaningful: after it the two texts differ
         j = next((j for j, (s, b) in enumerate(zip(out, base)) if s != b), min(len(out), len(base)))
         if j == min(len(out), len(base)):  # cannot happen: both stop at the same EOS / limit
             raise LosslessError(f"prompt {i}: lengths differ ({len(out)} vs {len(base)}) without a token mismatch")

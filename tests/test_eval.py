@@ -97,6 +97,52 @@ def test_eos_inside_block(llama):
         assert out == free[:j + 1]
 
 
+def test_drafts_match_training_forward(monkeypatch, llama):
+    """What eval feeds the drafter (features at id+1, context 0..anchor-1 built up from verify passes, block
+    positions) == what training feeds it: every full block's drafter output equals the masked training forward
+    over the final text with that anchor. Losslessness cannot see this; tau on a trained drafter would."""
+    from attention import build_masks
+    target, drafter = llama
+    K, p = 8, prompts()[2]
+    seen, real = [], drafter.forward_cached
+
+    def spy(x, new_hidden, cache, start):
+        h, cache = real(x, new_hidden, cache, start)
+        seen.append((start, h[0]))
+        return h, cache
+
+    monkeypatch.setattr(drafter, "forward_cached", spy)
+    # every other cycle the drafts are replaced by the target's own continuation, so the context grows by K
+    # positions or by 1: both ways of extending the drafter cache are exercised
+    full_text, real_draft = p + ev.plain_decode(target, p, MAX_NEW, set()), ev.draft
+
+    def draft(drafter_, target_, block, new_hidden, cache, start, *a):
+        toks, cache = real_draft(drafter_, target_, block, new_hidden, cache, start, *a)
+        if len(seen) % 2:
+            toks = torch.tensor([(full_text[start + 1:start + K] + [0] * K)[:block.shape[1] - 1]])
+        return toks, cache
+
+    monkeypatch.setattr(ev, "draft", draft)
+    out, committed, *_ = ev.spec_decode(target, drafter, p, MAX_NEW, K, set())
+    assert K in committed and 1 in committed
+    seq = torch.tensor([p + out])
+    with torch.no_grad():
+        hs = target(input_ids=seq, output_hidden_states=True).hidden_states
+        hidden = torch.cat([hs[k + 1] for k in drafter.cfg.target_layer_ids], -1)  # written out, not ev.features
+        full = [(s, h) for s, h in seen if h.shape[0] == K]
+        anchors = torch.tensor([[s for s, _ in full]])
+        blk = torch.full((1, len(full), K), MASK)
+        blk[0, :, 0] = seq[0, anchors[0]]
+        x = torch.nn.functional.embedding(blk.view(1, -1), target.get_input_embeddings().weight)
+        pos = (anchors[:, :, None] + torch.arange(K)).view(1, -1)
+        keep = torch.ones_like(anchors, dtype=torch.bool)
+        masks = build_masks(anchors, keep, seq.shape[1], K, drafter.cfg.layer_types, None, "sdpa")
+        train_out = drafter(x, hidden, pos, masks).view(len(full), K, -1)
+    assert len(full) >= 4
+    for (s, h), t in zip(full, train_out):
+        torch.testing.assert_close(h, t, atol=1e-4, rtol=1e-4)
+
+
 def _scripted(monkeypatch, target, p, shift):
     """Replace the drafter by the target's own greedy continuation (+shift mod V: shift 0 = oracle, else never
     right). Returns that greedy continuation."""
