@@ -8,15 +8,13 @@ HF greedy generate. The SmolLM2 target is converted once into $DFLASH_CACHE (or
 """
 import json
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import data  # noqa: E402
+import data
 
 HERE = Path(__file__).parent / "data"
 
