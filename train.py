@@ -87,8 +87,8 @@ PRESETS = {
     # SmolLM2-135M-Instruct + chitchat prompts answered by it (data.py prepare_demo)
     "demo": dict(target="{cache}/smollm2-135m-instruct", data="{cache}/chitchat_train.jsonl",
                  mask_token="<empty_output>", drafter_layers=2, target_features=5, sliding_layers=0,
-                 max_length=384, batch_size=4, num_anchors=48, lr=1e-3, warmup_ratio=0.05, epochs=1.0,
-                 target_ranks=2, drafter_ranks=1, log_every=5, ckpt_every=100, pad_multiple=64),
+                 max_length=384, batch_size=4, num_anchors=32, loss_chunk=0, lr=2e-3, warmup_ratio=0.05,
+                 epochs=3.0, target_ranks=2, drafter_ranks=1, log_every=10, ckpt_every=100, pad_multiple=64),
     # the same demo on GPUs: a 5-layer drafter, responses of up to 256 tokens, every response position anchored
     "demo_gpu": dict(target="{cache}/smollm2-135m-instruct", data="{cache}/chitchat_train.jsonl",
                      mask_token="<empty_output>", drafter_layers=5, target_features=5, sliding_layers=0,
@@ -704,8 +704,10 @@ def train(cfg, d, target_config, tokenizer):
     Dr, di, K = len(d.drafters), d.drafters.index(d.rank), dcfg.block_size
     mine = deque(m for s in range(start, total) for m in range(s * per_step + di, (s + 1) * per_step, Dr))
     receiver = None if d.is_target else Receiver(cfg, d, len(dcfg.target_layer_ids) * dcfg.hidden_size, dtype, mine)
-    if d.leader and not state and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-        os.remove(os.path.join(run_dir, "metrics.jsonl"))
+    if d.leader and not state:
+        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+            os.remove(os.path.join(run_dir, "metrics.jsonl"))
+        save_drafter(drafter, os.path.join(run_dir, "init"))  # the untrained drafter: the eval baseline
     acc, t_log, warm_graphs = None, time.perf_counter(), None
     for step in range(start, total):
         # [loss_sum, weight_sum, tau_sum, blocks, tokens, sequences, target s, drafter s, correct_K, count_K]
