@@ -37,7 +37,8 @@ CACHE_VERSION = 1  # bump when the tokenized format or the masking rule changes
 # demo corpus sizes (prompts, held-out prompts, answer cap, regeneration batch): the CPU one keeps
 # regeneration to ~2-3 minutes on 2 cores inside the ~10-minute CPU demo
 DEMO_PRESETS = {"cpu": dict(n_train=128, n_eval=32, max_new_tokens=128, batch_size=32),
-                "cuda": dict(n_train=4096, n_eval=256, max_new_tokens=256, batch_size=256)}
+                "cuda": dict(n_train=4096, n_eval=256, max_new_tokens=256, batch_size=96)}  # 256 ran out of
+# memory on an H200: one long prompt, left-padded across the whole batch, asked for 127 GiB of attention
 
 
 def default_cache_dir():

@@ -684,8 +684,10 @@ def train(cfg, d, target_config, tokenizer):
         t0 = time.time()
         capture = Capture(load_target(cfg, dcfg, d, dtype), dcfg.target_layer_ids)
         if d.rank == d.targets[0]:
+            import resource  # peak host memory of this process so far: loading reads one tensor at a time
             shard = "colocated" if d.world == 1 else cfg.target_shard
-            print(f"target loaded ({shard}) in {time.time() - t0:.1f}s", flush=True)
+            print(f"target loaded ({shard}) in {time.time() - t0:.1f}s, peak host RSS of rank {d.rank} "
+                  f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB", flush=True)
     if not d.is_drafter:
         run_target(cfg, d, batcher, capture, total * per_step, start * per_step)
         return
