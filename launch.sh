@@ -5,6 +5,8 @@
 #   no GPU  : the demo on CPU, 3 processes (2 target + 1 drafter ranks, gloo)
 # The demo builds its corpus once (cached), trains, then prints the trained drafter's acceptance length (tau)
 # next to the untrained one's. Extra arguments go to train.py.
+# Several nodes (the real recipe): run the same command on every node with
+#   NNODES=2 NODE_RANK=<0|1> MASTER_ADDR=<node 0 address> [MASTER_PORT=29500] bash launch.sh --target=... --data=...
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -28,9 +30,16 @@ OUT=${OUT:-out}
 RUN=${RUN:-demo}
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-run() { "$PY" -m torch.distributed.run --standalone --nproc_per_node="$1" --max_restarts=0 train.py "${@:2}"; }
+NNODES=${NNODES:-1}
+if [ "$NNODES" -gt 1 ]; then  # one rendezvous (c10d, hosted by node 0's agent) for all nodes' agents
+  RDZV="--nnodes=$NNODES --node_rank=${NODE_RANK:?set NODE_RANK} --rdzv_backend=c10d --rdzv_id=${RDZV_ID:-dflash}
+        --rdzv_endpoint=${RDZV_ENDPOINT:-${MASTER_ADDR:?set MASTER_ADDR}:${MASTER_PORT:-29500}}"
+else
+  RDZV="--standalone"
+fi
+run() { "$PY" -m torch.distributed.run $RDZV --nproc_per_node="$1" --max_restarts=0 train.py "${@:2}"; }
 
-if [ "$NGPU" -ge 8 ]; then
+if [ "$NGPU" -ge 8 ] || [ "$NNODES" -gt 1 ]; then
   run "$NGPU" --out_dir="$OUT" "$@"
   exit
 fi

@@ -65,8 +65,8 @@ class Config:
     max_steps: int = 0  # optimizer steps; 0 = derived from epochs (it is also the cosine horizon)
     grad_clip: float = 1.0  # global L2 norm
     # distributed
-    target_ranks: int = 5  # processes holding the target (FSDP2 mesh)
-    drafter_ranks: int = 3  # processes training the drafter (data parallel)
+    target_ranks: int = 5  # processes per node holding the target (FSDP2 mesh within the node)
+    drafter_ranks: int = 3  # processes per node training the drafter (data parallel over all nodes)
     target_shard: str = "fsdp"  # fsdp | replicate (a full target copy per target rank)
     dtype: str = "bfloat16"  # bfloat16 (fp32 master weights and optimizer state) | float32
     device: str = "auto"  # auto | cuda | cpu
@@ -81,6 +81,7 @@ class Config:
     resume: str = ""  # "auto" = newest checkpoint of this run, or a checkpoint directory
     seed: int = 42
     preset: str = ""  # "demo": small target and data for CPU or 1-7 GPUs (see PRESETS)
+    plan: str = ""  # "NODESxGPUS", e.g. "2x8": print the placement table for that machine and exit (no GPU)
 
 
 PRESETS = {
@@ -133,16 +134,44 @@ def parse_config(argv):
 # topology and process groups
 
 
-def assign_roles(world, cfg):
-    """-> (target ranks, drafter ranks). One process: both roles on rank 0 (colocated)."""
+def assign_roles(world, cfg, local_world=None):
+    """-> (target ranks, drafter ranks), global ranks. One process: both roles on rank 0 (colocated).
+    Several nodes: every node gets the same split, its first target_ranks local ranks hold the target (torchrun
+    numbers ranks node by node), so each node's targets feed only that node's drafters, over NVLink."""
     if world == 1:
         return [0], [0]
-    if cfg.target_ranks + cfg.drafter_ranks != world:
+    local_world = local_world or world
+    if world % local_world:
+        raise ValueError(f"world size {world} is not a multiple of the processes per node ({local_world})")
+    if cfg.target_ranks + cfg.drafter_ranks != local_world:
         raise ValueError(f"target_ranks ({cfg.target_ranks}) + drafter_ranks ({cfg.drafter_ranks}) must equal "
-                         f"the world size ({world})")
+                         f"the world size ({world})" if local_world == world else
+                         f"the processes per node ({local_world})")
     if cfg.target_ranks < 1 or cfg.drafter_ranks < 1:
         raise ValueError("need at least one target rank and one drafter rank")
-    return list(range(cfg.target_ranks)), list(range(cfg.target_ranks, world))
+    nodes = range(0, world, local_world)
+    return ([n + i for n in nodes for i in range(cfg.target_ranks)],
+            [n + i for n in nodes for i in range(cfg.target_ranks, local_world)])
+
+
+def route(m, targets, drafters, nnodes, grad_accum):
+    """Micro-batch m -> (target rank that prefills it, drafter rank that trains on it, its index k on that node).
+    Drafters take m round-robin (m % Dr); node n's micro-batches, in increasing m, are numbered k = 0, 1, ... and
+    dealt round-robin to node n's targets. One node: k == m and the target is targets[m % T]."""
+    Dr, per_step = len(drafters), len(drafters) * grad_accum
+    D, T = Dr // nnodes, len(targets) // nnodes  # per node
+    j = m % Dr
+    n, dl = divmod(j, D)
+    k = ((m // per_step) * grad_accum + (m % per_step) // Dr) * D + dl
+    return targets[n * T + k % T], drafters[j], k
+
+
+def node_micro_batch(k, n, nnodes, n_drafters, grad_accum):
+    """Inverse of route: the k-th micro-batch of node n -> its global index m."""
+    D = n_drafters // nnodes
+    step_acc, dl = divmod(k, D)
+    s, a = divmod(step_acc, grad_accum)
+    return s * n_drafters * grad_accum + a * n_drafters + n * D + dl
 
 
 @dataclass(frozen=True)
@@ -152,6 +181,7 @@ class Dist:
     device: torch.device
     targets: list  # global ranks with the target role
     drafters: list  # global ranks with the drafter role
+    nnodes: int  # torchrun nodes (WORLD_SIZE / LOCAL_WORLD_SIZE)
     target_mesh: object  # DeviceMesh over targets (None when colocated or replicated)
     drafter_group: object  # process group over drafters (None when colocated)
     transport: object  # process group used only for target -> drafter sends
@@ -183,18 +213,26 @@ def setup_dist(cfg):
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
-    targets, drafters = assign_roles(world, cfg)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    targets, drafters = assign_roles(world, cfg, local_world)
+    nnodes = world // local_world
     if world == 1:
-        return Dist(rank, world, device, targets, drafters, None, None, None)
+        return Dist(rank, world, device, targets, drafters, 1, None, None, None)
     timeout = datetime.timedelta(seconds=cfg.transport_timeout)
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout, device_id=device if use_cuda else None)
     # every rank builds every group, in this order (SPMD: a mismatch hangs silently)
+    # The target is sharded within each node and replicated across nodes: it is frozen, so replicas never
+    # synchronize, and its per-forward all-gathers stay on NVLink (README "Across nodes" has the arithmetic).
     from torch.distributed.device_mesh import DeviceMesh
-    target_mesh = DeviceMesh(device.type, targets) if cfg.target_shard == "fsdp" else None
+    T = len(targets) // nnodes
+    node_groups = [dist.new_group(targets[n * T:(n + 1) * T]) for n in range(nnodes)]
+    target_mesh = None
+    if cfg.target_shard == "fsdp" and rank in targets:
+        target_mesh = DeviceMesh.from_group(node_groups[targets.index(rank) // T], device.type)
     drafter_group = dist.new_group(drafters)
     transport = dist.new_group(list(range(world)), timeout=timeout)
     dist.barrier(group=transport)  # creates the transport communicator on every rank now, not mid-run
-    return Dist(rank, world, device, targets, drafters, target_mesh, drafter_group, transport)
+    return Dist(rank, world, device, targets, drafters, nnodes, target_mesh, drafter_group, transport)
 
 
 def teardown_dist(d):
@@ -396,24 +434,30 @@ def make_header(batch, m, fwd_s, B):
     return h
 
 
-def run_target(cfg, d, batcher, capture, total_micro, start_micro):
-    """Target rank: prefill micro-batches m = start + r*T + t, send each to its drafter, at most `prefetch` in
-    flight. All target ranks run the same number of forwards (FSDP all-gathers are collective): a rank with no
-    micro-batch left in the last round runs a dummy forward."""
-    T, t = len(d.targets), d.targets.index(d.rank)
+def run_target(cfg, d, batcher, capture, start_step, total_steps):
+    """Target rank: prefill this node's micro-batches k = t, t + T, ... (T targets per node) from start_step to
+    total_steps, send each to its drafter, at most `prefetch` in flight. The node's target ranks run the same number
+    of forwards (FSDP all-gathers are collective): one with no micro-batch left in the last round runs a dummy."""
+    nn, Dr, A = d.nnodes, len(d.drafters), cfg.grad_accum
+    T = len(d.targets) // nn
+    n, t = divmod(d.targets.index(d.rank), T)
+    per_node_step = (Dr // nn) * A  # micro-batches per optimizer step on one node
+    k0, k1 = start_step * per_node_step, total_steps * per_node_step
     inflight = deque()
-    for r in range(math.ceil((total_micro - start_micro) / T)):
-        m = start_micro + r * T + t
-        if m >= total_micro:
+    for r in range(math.ceil((k1 - k0) / T)):
+        k = k0 + r * T + t
+        if k >= k1:
             capture(torch.zeros(1, 8, dtype=torch.long, device=d.device))
             continue
+        m = node_micro_batch(k, n, nn, Dr, A)
+        src, dst, _ = route(m, d.targets, d.drafters, nn, A)
+        assert src == d.rank, f"schedule bug: micro-batch {m} belongs to rank {src}, not {d.rank}"
         batch = batch_at(batcher, m)
         t0 = time.perf_counter()
         hidden = capture(batch["input_ids"].to(d.device))
         if d.device.type == "cuda":
             torch.cuda.synchronize()
         fwd = time.perf_counter() - t0
-        dst = d.drafters[m % len(d.drafters)]
         tensors = [x.to(d.device) for x in (make_header(batch, m, fwd, cfg.batch_size), batch["input_ids"],
                                             batch["loss_mask"])] + [hidden]
         inflight.append((tensors, [dist.isend(x, dst, group=d.transport) for x in tensors]))
@@ -438,7 +482,7 @@ class Receiver:
         if self.todo:
             m = self.todo.popleft()
             h = torch.zeros(4 + self.cfg.batch_size, dtype=torch.long, device=self.d.device)
-            src = self.d.targets[m % len(self.d.targets)]
+            src = route(m, self.d.targets, self.d.drafters, self.d.nnodes, self.cfg.grad_accum)[0]
             self.posted = (m, src, h, dist.irecv(h, src, group=self.d.transport))
 
     def get(self, m):
@@ -609,11 +653,29 @@ def log_line(cfg, d, run_dir, step, total, s, gnorm, lr, dt, K, recompiles):
         f.write(json.dumps(rec) + "\n")
 
 
-def print_roles(d):
-    print(f"world {d.world} on {d.device.type}: rank -> role")
-    for r in range(d.world):
-        print(f"  rank {r}: " + ("target+drafter" if r in d.targets and r in d.drafters else
-                                 "target" if r in d.targets else "drafter"))
+def placement_table(world, local_world, cfg):
+    """The role of every rank and who sends hidden states to whom; pure (no GPU, no process group)."""
+    targets, drafters = assign_roles(world, cfg, local_world)
+    nnodes = world // local_world
+    feeds = {r: set() for r in range(world)}
+    for m in range(len(drafters) * cfg.grad_accum * max(1, len(targets)) * 2):  # covers every pairing
+        src, dst, _ = route(m, targets, drafters, nnodes, cfg.grad_accum)
+        feeds[src].add(dst)
+        feeds[dst].add(src)
+    lines = [f"placement: {nnodes} node(s) x {local_world} processes: {len(targets) // nnodes} target + "
+             f"{len(drafters) // nnodes} drafter ranks per node; the target is FSDP-sharded within each node "
+             f"({'replicated across nodes' if nnodes > 1 else 'one replica'}); the drafter is data-parallel over "
+             f"all {len(drafters)} drafter ranks",
+             "  rank  node  local  role            sends to / receives from"]
+    for r in range(world):
+        role = ("target+drafter" if r in targets and r in drafters else "target" if r in targets else "drafter")
+        arrow = "" if world == 1 else ("-> " if r in targets else "<- ") + ",".join(map(str, sorted(feeds[r])))
+        lines.append(f"  {r:4d}  {r // local_world:4d}  {r % local_world:5d}  {role:14s}  {arrow}")
+    if nnodes > 1:
+        lines.append("  across nodes: only the drafter gradient all-reduce (hidden states and target all-gathers "
+                     "stay inside each node)")
+    return "\n".join(lines)
+
 
 # -----------------------------------------------------------------------------
 # main
@@ -621,6 +683,10 @@ def print_roles(d):
 
 def main(cfg):
     from transformers import AutoConfig, AutoTokenizer
+    if cfg.plan:  # dry run: the placement for NODESxGPUS, nothing loaded
+        nodes, gpus = (int(x) for x in cfg.plan.lower().split("x"))
+        print(placement_table(nodes * gpus, gpus, cfg))
+        return
     world = int(os.environ.get("WORLD_SIZE", "1"))
     target_config = AutoConfig.from_pretrained(cfg.target)
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
@@ -640,10 +706,13 @@ def main(cfg):
 
 
 def maybe_fail(d, step):
-    """Failure-path test hook: DFLASH_FAIL_AT=rank:step raises on that rank at that step."""
-    spec = os.environ.get("DFLASH_FAIL_AT")
-    if spec and [int(x) for x in spec.split(":")] == [d.rank, step]:
-        raise RuntimeError(f"injected failure (DFLASH_FAIL_AT={spec})")
+    """Failure-path test hook: DFLASH_FAIL_AT=rank:step raises on that rank at that step; rank:step:kill sends
+    the process SIGKILL instead (no message, no cleanup: what a crash or the OOM killer does)."""
+    spec = os.environ.get("DFLASH_FAIL_AT", "").split(":")
+    if len(spec) >= 2 and [int(x) for x in spec[:2]] == [d.rank, step]:
+        if spec[2:] == ["kill"]:
+            os.kill(os.getpid(), 9)
+        raise RuntimeError(f"injected failure (DFLASH_FAIL_AT={':'.join(spec)})")
 
 
 def train(cfg, d, target_config, tokenizer):
@@ -652,7 +721,7 @@ def train(cfg, d, target_config, tokenizer):
     dcfg = drafter_cfg(cfg, target_config, tokenizer)
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
     if d.rank == 0:
-        print_roles(d)
+        print(placement_table(d.world, d.world // d.nnodes, cfg), flush=True)
         write_run_info(run_dir, cfg, d, dcfg)
         print(f"drafter: {dcfg.num_hidden_layers} layers {dcfg.layer_types}, target layers {dcfg.target_layer_ids}, "
               f"mask token {dcfg.mask_token_id}, block {dcfg.block_size}", flush=True)
@@ -689,7 +758,7 @@ def train(cfg, d, target_config, tokenizer):
             print(f"target loaded ({shard}) in {time.time() - t0:.1f}s, peak host RSS of rank {d.rank} "
                   f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB", flush=True)
     if not d.is_drafter:
-        run_target(cfg, d, batcher, capture, total * per_step, start * per_step)
+        run_target(cfg, d, batcher, capture, start, total)
         return
 
     # ---- drafter ranks (and the colocated process)
