@@ -240,11 +240,11 @@ def teardown_dist(d):
         dist.destroy_process_group()
 
 
-def validate(cfg, world, target_config, tokenizer):
+def validate(cfg, world, target_config, tokenizer, local_world=None):
     """Every config error at once, before any process group or GPU memory."""
     errs = []
     try:
-        assign_roles(world, cfg)
+        assign_roles(world, cfg, local_world)
     except ValueError as e:
         errs.append(str(e))
     tc = target_config.get_text_config()
@@ -690,7 +690,8 @@ def main(cfg):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     target_config = AutoConfig.from_pretrained(cfg.target)
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
-    validate(cfg, world, target_config, tokenizer)  # before any process group or GPU memory
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    validate(cfg, world, target_config, tokenizer, local_world)  # before any process group or GPU memory
     d = None
     try:
         d = setup_dist(cfg)
