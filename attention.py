@@ -92,29 +92,22 @@ def _tiles_to_ordered(tiles_BQT):
     return num.unsqueeze(1), order.to(torch.int32).unsqueeze(1)
 
 
-def dflash_block_mask(anchors_BN, keep_BN, S, K, window=None):
-    """Exact BlockMask for the DFlash rule, built from row intervals in O(B * Q * 1) + O(B * QT * KVT).
-    A KV tile is 'partial' if any row of the Q tile may see any key in it (union of the rows' intervals,
-    by a difference array), and 'full' if every row sees all of it (intersection of intervals), so the
-    kernel skips mask evaluation there. Anchors need not be sorted for correctness; sorting them
-    (sample_anchors does) keeps each Q tile's visible context a short prefix, which is where the speed is."""
-    B, N = anchors_BN.shape
+def block_tiles(anchors_BN, keep_BN, S_t, K, window, QT, KVT):
+    """Tile tables of the DFlash BlockMask: (partial num, partial idx, full num, full idx), flex's layout.
+    A KV tile is 'partial' if any row of the Q tile may see any key in it (union of the rows' intervals, by a
+    difference array), and 'full' if every row sees all of it (intersection of intervals), so the kernel skips
+    mask evaluation there. Pure tensor ops, no host sync."""
+    B = anchors_BN.shape[0]
     dev = anchors_BN.device
-    Q, KV = N * K, S + N * K
-    QT, KVT = -(-Q // TILE), -(-KV // TILE)
-    S_t = torch.as_tensor(S, device=dev)
     lo_hi = _row_intervals(anchors_BN, keep_BN, S_t, K, window, QT * TILE)
-
     # union: +1 at the first tile of each non-empty interval, -1 after its last tile, cumsum > 0
-    diff = torch.zeros(B, QT, KVT + 1, dtype=torch.int32, device=dev)
+    diff = torch.zeros(B, QT * (KVT + 1), dtype=torch.int32, device=dev)
     qtile = (torch.arange(QT * TILE, device=dev) // TILE).expand(B, -1)
     for lo, hi in (lo_hi[0:2], lo_hi[2:4]):
         nonempty = (hi > lo).int()
-        flat = diff.view(B, -1)
-        flat.scatter_add_(1, qtile * (KVT + 1) + lo // TILE, nonempty)
-        flat.scatter_add_(1, qtile * (KVT + 1) + (hi - 1).clamp(min=0) // TILE + 1, -nonempty)
-    any_BQT = diff.cumsum(-1)[..., :KVT] > 0
-
+        diff.scatter_add_(1, qtile * (KVT + 1) + lo // TILE, nonempty)
+        diff.scatter_add_(1, qtile * (KVT + 1) + (hi - 1).clamp(min=0) // TILE + 1, -nonempty)
+    any_BQT = diff.view(B, QT, KVT + 1).cumsum(-1)[..., :KVT] > 0
     # intersection: tile c is full if, for every row, one interval covers [c*TILE, (c+1)*TILE)
     start = torch.arange(KVT, device=dev) * TILE
     full_BQT = torch.zeros_like(any_BQT)
@@ -122,10 +115,17 @@ def dflash_block_mask(anchors_BN, keep_BN, S, K, window=None):
         lo_max = lo.view(B, QT, TILE).amax(-1, keepdim=True)
         hi_min = hi.view(B, QT, TILE).amin(-1, keepdim=True)
         full_BQT |= (start >= lo_max) & (start + TILE <= hi_min)
-    partial_BQT = any_BQT & ~full_BQT
+    return (*_tiles_to_ordered(any_BQT & ~full_BQT), *_tiles_to_ordered(full_BQT))
 
-    kv_num, kv_idx = _tiles_to_ordered(partial_BQT)
-    full_num, full_idx = _tiles_to_ordered(full_BQT)
+
+def dflash_block_mask(anchors_BN, keep_BN, S, K, window=None, tiles_fn=block_tiles):
+    """Exact BlockMask for the DFlash rule, built from row intervals in O(B * Q) + O(B * QT * KVT): no dense
+    Q x KV mask, no create_block_mask. Anchors need not be sorted for correctness; sorting them (sample_anchors
+    does) keeps each Q tile's visible context a short prefix, which is where the speed is."""
+    B, N = anchors_BN.shape
+    Q, KV = N * K, S + N * K
+    S_t = torch.as_tensor(S, device=anchors_BN.device)
+    kv_num, kv_idx, full_num, full_idx = tiles_fn(anchors_BN, keep_BN, S_t, K, window, -(-Q // TILE), -(-KV // TILE))
     mask_mod = dflash_mask_mod(anchors_BN, keep_BN, S_t, K, window)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=TILE,
                                     mask_mod=mask_mod, seq_lengths=(Q, KV))

@@ -129,6 +129,17 @@ def bench_drafter(args):
     for name, lt in (("full", ["full_attention"]), ("sliding", ["sliding_attention"]), ("both", cfg.layer_types)):
         ms = cuda_time(lambda: build_masks(anchors, keep, S, cfg.block_size, lt, cfg.sliding_window, "flex"), 20)
         print(f"BlockMask build ({name}): {ms:.3f} ms")
+    # candidate: the tile tables compiled (dynamic shapes: one graph for every length)
+    from attention import block_tiles, dflash_block_mask
+    tiles_c = torch.compile(block_tiles, dynamic=True)
+    W = cfg.sliding_window
+    for s in (S, S - 256, S):
+        a_, k_ = sample_anchors(batch(s)[1], args.anchors, gen)
+        x, y = (dflash_block_mask(a_, k_, s, cfg.block_size, W, tiles_fn=f) for f in (block_tiles, tiles_c))
+        assert torch.equal(x.kv_indices, y.kv_indices) and torch.equal(x.full_kv_num_blocks, y.full_kv_num_blocks)
+    ms = cuda_time(lambda: [dflash_block_mask(anchors, keep, S, cfg.block_size, W if t == "sliding_attention"
+                                              else None, tiles_fn=tiles_c) for t in set(cfg.layer_types)], 20)
+    print(f"BlockMask build (both), compiled tile tables: {ms:.3f} ms (identical masks)")
 
     torch.cuda.reset_peak_memory_stats()
     drafter.zero_grad(set_to_none=True)

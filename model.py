@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from attention import attend, build_masks
 
@@ -459,10 +458,44 @@ def block_labels(input_ids_BS, loss_mask_BS, anchors_BN, keep_BN, K, gamma):
     return labels, valid, valid.float() * decay
 
 
-def _ce_terms(out_MD, lm_head_VD, labels_M, w_M):
-    logits = out_MD @ lm_head_VD.t()
-    ce = F.cross_entropy(logits.float(), labels_M, reduction="none")
-    return (ce * w_M).sum(), logits.argmax(-1) == labels_M
+def _ce_chunk(logits_MV, labels_M, w_M):
+    """Weighted CE of one chunk and its gradient w.r.t. the logits, in fp32, returned in the logits' dtype:
+    d(sum_m w_m CE_m)/dlogits = w * (softmax - onehot). Compiled on CUDA into a few fused passes over [M, V]."""
+    x = logits_MV.float()
+    lse = torch.logsumexp(x, dim=-1)
+    loss = ((lse - x.gather(1, labels_M[:, None]).squeeze(1)) * w_M).sum()
+    grad = torch.exp(x - lse[:, None]) * w_M[:, None]
+    grad = grad.scatter_add(1, labels_M[:, None], -w_M[:, None])
+    return loss, x.argmax(-1) == labels_M, grad.to(logits_MV.dtype)
+
+
+_ce_chunk_compiled = torch.compile(_ce_chunk, dynamic=False)  # lazy; shapes are fixed per run (fixed anchors)
+
+
+class HeadCE(torch.autograd.Function):
+    """Frozen LM head + weighted cross-entropy, chunked over rows, with the input gradient computed in the forward
+    pass: each chunk's [rows, V] logits exist once and are never recomputed (SpecForge recomputes them under
+    checkpointing, a third LM-head matmul), and no fp32 copy of all logits is ever held. The head gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, out_MD, head_VD, labels_M, w_M, chunk_rows):
+        ce = _ce_chunk_compiled if out_MD.is_cuda else _ce_chunk
+        loss = torch.zeros((), device=out_MD.device)
+        grad = torch.empty_like(out_MD)
+        correct = torch.empty(out_MD.shape[0], dtype=torch.bool, device=out_MD.device)
+        for i in range(0, out_MD.shape[0], chunk_rows):
+            j = slice(i, i + chunk_rows)
+            l, correct[j], g = ce(out_MD[j] @ head_VD.t(), labels_M[j], w_M[j])
+            loss += l
+            grad[j] = g @ head_VD
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(correct)
+        return loss, correct
+
+    @staticmethod
+    def backward(ctx, g_loss, g_correct):
+        (grad,) = ctx.saved_tensors
+        return grad * g_loss.to(grad.dtype), None, None, None, None
 
 
 def dflash_loss(drafter, embed_VD, lm_head_VD, input_ids_BS, loss_mask_BS, hidden_BSC, anchors_BN, keep_BN,
@@ -487,17 +520,11 @@ def dflash_loss(drafter, embed_VD, lm_head_VD, input_ids_BS, loss_mask_BS, hidde
 
     labels, valid, w = block_labels(input_ids_BS, loss_mask_BS, anchors_BN, keep_BN, K, gamma)
 
-    # lm_head + CE chunked over blocks, each chunk recomputed in backward: the [N*K, V] logits never exist at once
-    loss_sum = torch.zeros((), device=dev)
-    correct = []
-    C = chunk_blocks if chunk_blocks > 0 else N
-    for n0 in range(0, N, C):
-        args = (out[:, n0:n0 + C].reshape(-1, out.shape[-1]), lm_head_VD,
-                labels[:, n0:n0 + C].reshape(-1), w[:, n0:n0 + C].reshape(-1))
-        ls, cor = checkpoint(_ce_terms, *args, use_reentrant=False) if C < N else _ce_terms(*args)
-        loss_sum = loss_sum + ls
-        correct.append(cor.view(B, -1, K))
-    correct = torch.cat(correct, 1) & valid
+    # lm_head + CE in chunks of blocks: the full [N*K, V] logits never exist at once (spec §4.1)
+    rows = (chunk_blocks if chunk_blocks > 0 else N) * K
+    loss_sum, correct = HeadCE.apply(out.reshape(-1, out.shape[-1]), lm_head_VD, labels.reshape(-1),
+                                     w.reshape(-1), rows)
+    correct = correct.view(B, N, K) & valid
 
     # training-time acceptance estimate: accepted = sum_j prod_{i<=j} correct_i over supervised positions,
     # unsupervised positions count as correct inside the product (SpecForge compute_accept_len), tau = 1 + accepted

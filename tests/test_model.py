@@ -148,6 +148,25 @@ def test_chunked_loss_equals_unchunked():
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_fused_head_ce_gradients_match_autograd():
+    """HeadCE (gradient computed in the forward pass) vs plain autograd through unchunked logits and
+    F.cross_entropy: same loss and same gradients for every drafter parameter."""
+    drafter, embed, head, ids, lm, hidden, anchors, keep = _loss_setup(4)
+    cfg, K = drafter.cfg, drafter.cfg.block_size
+    r = dflash_loss(drafter, embed, head, ids, lm, hidden, anchors, keep, gamma=7.0, chunk_blocks=3)
+    r["loss_sum"].backward()
+    fused = [p.grad.clone() for p in drafter.parameters()]
+    drafter.zero_grad()
+    x, pos, _ = blocks_input(cfg, embed, ids, anchors, keep)
+    out = drafter(x, hidden, pos, build_masks(anchors, keep, 30, K, cfg.layer_types, 6, "sdpa"))
+    labels, valid, w = block_labels(ids, lm, anchors, keep, K, 7.0)
+    ref = (F.cross_entropy(out.reshape(-1, D) @ head.t(), labels.reshape(-1), reduction="none") * w.reshape(-1)).sum()
+    ref.backward()
+    torch.testing.assert_close(r["loss_sum"], ref.detach(), atol=1e-4, rtol=1e-5)
+    for a, p in zip(fused, drafter.parameters()):
+        torch.testing.assert_close(a, p.grad, atol=1e-5, rtol=1e-4)
+
+
 def test_loss_matches_direct_formula():
     """loss_sum = sum_k w_k * CE(lm_head(out), label) over valid positions, from an independent computation."""
     drafter, embed, head, ids, lm, hidden, anchors, keep = _loss_setup(1)
