@@ -64,6 +64,7 @@ class Config:
     epochs: float = 6.0  # passes over the data
     max_steps: int = 0  # optimizer steps; 0 = derived from epochs (it is also the cosine horizon)
     grad_clip: float = 1.0  # global L2 norm
+    max_bad_steps: int = 10  # consecutive steps with a non-finite loss or grad norm (skipped) before the run stops
     # distributed
     target_ranks: int = 5  # processes per node holding the target (FSDP2 mesh within the node)
     drafter_ranks: int = 3  # processes per node training the drafter (data parallel over all nodes)
@@ -241,7 +242,7 @@ def teardown_dist(d):
 
 
 def validate(cfg, world, target_config, tokenizer, local_world=None):
-    """Every config error at once, before any process group or GPU memory."""
+    """Every config error at once, before any process group or GPU memory. Each message starts with the field."""
     errs = []
     try:
         assign_roles(world, cfg, local_world)
@@ -255,26 +256,65 @@ def validate(cfg, world, target_config, tokenizer, local_world=None):
         errs.append(f"block_size={cfg.block_size} must be >= 2")
     if not 0 <= cfg.sliding_layers <= cfg.drafter_layers:
         errs.append(f"sliding_layers={cfg.sliding_layers} must be in [0, drafter_layers={cfg.drafter_layers}]")
+    if cfg.sliding_layers > 0 and cfg.sliding_window < 1:
+        errs.append(f"sliding_window={cfg.sliding_window} must be >= 1 when sliding_layers > 0")
+    mask_bad = cfg.mask_token.isdigit() and int(cfg.mask_token) >= tc.vocab_size
+    if mask_bad:
+        errs.append(f"mask_token={cfg.mask_token} must be < the target vocabulary ({tc.vocab_size})")
     if not os.path.isfile(cfg.data):
         errs.append(f"data: no such file {cfg.data!r}")
-    for name in ("batch_size", "grad_accum", "num_anchors", "prefetch", "log_every", "ckpt_every", "keep_ckpts"):
+    if cfg.max_length < cfg.block_size:
+        errs.append(f"max_length={cfg.max_length} must be >= block_size={cfg.block_size}")
+    for name in ("drafter_layers", "batch_size", "grad_accum", "num_anchors", "pad_multiple", "prefetch",
+                 "transport_timeout", "log_every", "ckpt_every", "keep_ckpts", "max_bad_steps"):
         if getattr(cfg, name) < 1:
             errs.append(f"{name}={getattr(cfg, name)} must be >= 1")
+    for name in ("lr", "gamma", "grad_clip"):
+        if not getattr(cfg, name) > 0:  # also catches nan
+            errs.append(f"{name}={getattr(cfg, name)} must be > 0")
+    for name in ("warmup_ratio", "beta1", "beta2"):
+        if not 0 <= getattr(cfg, name) < 1:
+            errs.append(f"{name}={getattr(cfg, name)} must be in [0, 1)")
+    for name in ("weight_decay", "loss_chunk", "max_steps"):
+        if getattr(cfg, name) < 0:
+            errs.append(f"{name}={getattr(cfg, name)} must be >= 0")
+    if cfg.max_steps == 0 and not cfg.epochs > 0:
+        errs.append(f"epochs={cfg.epochs} must be > 0 when max_steps=0")
     if cfg.dtype not in ("bfloat16", "float32"):
         errs.append(f"dtype={cfg.dtype!r} must be bfloat16 or float32")
     if cfg.target_shard not in ("fsdp", "replicate"):
         errs.append(f"target_shard={cfg.target_shard!r} must be fsdp or replicate")
+    if cfg.device not in ("auto", "cuda", "cpu") or (cfg.device == "cuda" and not torch.cuda.is_available()):
+        errs.append(f"device={cfg.device!r} must be auto, cpu or cuda (cuda only where CUDA is available)")
+    # the run directory is the only place a run writes: run_name is one plain name inside out_dir, never a path
+    if cfg.run_name in ("", ".", "..") or os.path.basename(cfg.run_name) != cfg.run_name:
+        errs.append(f"run_name={cfg.run_name!r} must be a plain directory name inside out_dir (no '/', not '..')")
+    elif not cfg.resume and list_ckpts(os.path.join(cfg.out_dir, cfg.run_name)):
+        # a fresh run would interleave its checkpoints with the old run's (and prune the wrong ones)
+        run_dir = os.path.join(cfg.out_dir, cfg.run_name)
+        errs.append(f"resume: {run_dir} already holds checkpoints of an earlier run ({list_ckpts(run_dir)[-1]}); "
+                    f"--resume=auto continues it, or pick another run_name (or delete the directory)")
+    parent = os.path.abspath(cfg.out_dir)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.access(parent, os.W_OK):
+        errs.append(f"out_dir: {cfg.out_dir!r} is not writable ({parent})")
     if cfg.resume not in ("", "auto") and not os.path.isfile(os.path.join(cfg.resume, "train_state.pt")):
         errs.append(f"resume: {cfg.resume!r} holds no train_state.pt")
-    try:
-        dcfg = drafter_cfg(cfg, target_config, tokenizer)
-    except (ValueError, KeyError, OSError) as e:
-        errs.append(f"drafter config: {e}")
-    else:
-        if max(dcfg.target_layer_ids) >= tc.num_hidden_layers:
-            errs.append(f"target_layer_ids {dcfg.target_layer_ids} exceed the target's {tc.num_hidden_layers} layers")
-        if dcfg.hidden_size != tc.hidden_size or dcfg.vocab_size != tc.vocab_size:
-            errs.append("drafter hidden_size/vocab_size differ from the target's")
+    if cfg.init_drafter and not all(os.path.isfile(os.path.join(cfg.init_drafter, f))
+                                    for f in ("config.json", "model.safetensors")):
+        errs.append(f"init_drafter: {cfg.init_drafter!r} holds no config.json + model.safetensors")
+    elif not mask_bad:  # (a bad mask token would only be reported twice)
+        try:
+            dcfg = drafter_cfg(cfg, target_config, tokenizer)
+        except (ValueError, KeyError, OSError) as e:
+            errs.append(f"drafter config: {e}")
+        else:
+            if not 0 <= min(dcfg.target_layer_ids) <= max(dcfg.target_layer_ids) < tc.num_hidden_layers:
+                errs.append(f"target_layer_ids {dcfg.target_layer_ids} must be layers of the target "
+                            f"[0, {tc.num_hidden_layers})")
+            if dcfg.hidden_size != tc.hidden_size or dcfg.vocab_size != tc.vocab_size:
+                errs.append("drafter hidden_size/vocab_size differ from the target's")
     if errs:
         raise ValueError("invalid config:\n  " + "\n  ".join(errs))
 
@@ -455,8 +495,8 @@ def run_target(cfg, d, batcher, capture, start_step, total_steps):
         batch = batch_at(batcher, m)
         t0 = time.perf_counter()
         hidden = capture(batch["input_ids"].to(d.device))
-        if d.device.type == "cuda":
-            torch.cuda.synchronize()
+        if d.device.type == "cuda":  # the compute stream only: a device-wide sync would also wait for the
+            torch.cuda.current_stream().synchronize()  # previous sends, which wait for the drafter
         fwd = time.perf_counter() - t0
         tensors = [x.to(d.device) for x in (make_header(batch, m, fwd, cfg.batch_size), batch["input_ids"],
                                             batch["loss_mask"])] + [hidden]
@@ -532,8 +572,10 @@ class Optimizer:
         self.opt = torch.optim.AdamW(self.masters, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                      weight_decay=cfg.weight_decay, fused=self.flat.is_cuda)
 
-    def step(self, lr, weight_sum):
-        """p.grad holds d(sum of weighted CE)/dp of this rank; returns the global grad norm before clipping."""
+    def step(self, lr, weight_sum, loss_finite=True):
+        """p.grad holds d(sum of weighted CE)/dp of this rank -> (global grad norm before clipping, applied).
+        A non-finite loss or grad norm drops the step whole: no update, no optimizer-state change, gradients
+        discarded. Every drafter rank sees the same all-reduced loss and buffer, so all take the same decision."""
         for v, p in zip(self.views, self.params):
             if p.grad is None:
                 v.zero_()
@@ -544,6 +586,9 @@ class Optimizer:
             dist.all_reduce(self.flat, group=self.d.drafter_group)
         self.flat.div_(max(weight_sum, 1e-12))
         norm = torch.linalg.vector_norm(self.flat)
+        gnorm = norm.item()
+        if not (loss_finite and math.isfinite(gnorm)):
+            return gnorm, False
         self.flat.mul_(torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0))
         for mp, v in zip(self.masters, self.views):
             mp.grad = v
@@ -555,7 +600,7 @@ class Optimizer:
         if self.masters is not self.params:
             with torch.no_grad():
                 torch._foreach_copy_(self.params, self.masters)
-        return norm.item()
+        return gnorm, True
 
     def load(self, state):
         with torch.no_grad():
