@@ -48,7 +48,7 @@ if [ "$NGPU" -ge 1 ]; then
   EVAL="--limit 64 --max-new-tokens 256"
 else
   DEV=cpu; PRESET=demo; NPROC=3; SPLIT="--target_ranks=2 --drafter_ranks=1"
-  EVAL="--limit 8 --max-new-tokens 64"
+  EVAL="--limit 8 --max-new-tokens 48"
 fi
 "$PY" data.py demo --device "$DEV"
 C=${DFLASH_CACHE:-$HOME/.cache/dflash-trainer}
