@@ -19,6 +19,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -630,7 +631,7 @@ def _fsync(path):  # a file or a directory: on disk, not just in the page cache,
         os.close(fd)
 
 
-def save_checkpoint(run_dir, step, drafter, optim, cfg, micro):
+def save_checkpoint(run_dir, step, drafter, optim, cfg, micro, bad_steps=0):
     """Released-format drafter + train_state.pt, written into ckpt-<step>.tmp, flushed, then renamed: a crash or a
     full disk at any point leaves every earlier complete checkpoint intact (a failed write removes its .tmp and
     raises). Only after the rename are the oldest pruned beyond keep_ckpts. train_state.pt holds only tensors,
@@ -643,7 +644,8 @@ def save_checkpoint(run_dir, step, drafter, optim, cfg, micro):
     try:
         save_drafter(drafter, tmp, dtype=torch.bfloat16)
         torch.save({"step": step, "micro_batch": micro, "masters": [mp.detach().cpu() for mp in optim.masters],
-                    "optimizer": optim.opt.state_dict(), "config": asdict(cfg)}, os.path.join(tmp, "train_state.pt"))
+                    "optimizer": optim.opt.state_dict(), "config": asdict(cfg), "bad_steps": bad_steps},
+                   os.path.join(tmp, "train_state.pt"))
         for f in os.listdir(tmp):
             _fsync(os.path.join(tmp, f))
         _fsync(tmp)
@@ -685,7 +687,7 @@ def plot_curves(run_dir):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(x) for x in f]
+        rows = [r for r in map(json.loads, f) if not r.get("skipped")]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
     for ax, key in zip(axes, ("loss", "acc", "tau_est")):
         ax.plot([r["step"] for r in rows], [r[key] for r in rows])
@@ -712,7 +714,7 @@ def write_run_info(run_dir, cfg, d, dcfg):
         f.write("\n".join(info))
 
 
-def log_line(cfg, d, run_dir, step, total, s, gnorm, lr, dt, K, recompiles):
+def log_line(cfg, d, run_dir, step, total, s, gnorm, lr, dt, K, recompiles, bad_steps=0):
     loss, wsum, tau, blocks, tokens, seqs, fwd, busy = s[:8].tolist()
     correct, count = s[8:8 + K], s[8 + K:]
     T, Dr = len(d.targets), len(d.drafters)
@@ -725,15 +727,27 @@ def log_line(cfg, d, run_dir, step, total, s, gnorm, lr, dt, K, recompiles):
     rec = dict(step=step, loss=loss / max(wsum, 1e-12), acc=(correct.sum() / count.sum().clamp(min=1)).item(),
                tau_est=tau / max(blocks, 1), lr=lr, grad_norm=gnorm, tok_s=tokens / dt, seq_s=seqs / dt,
                target_busy=t_busy, drafter_busy=d_busy, target_seq_s_per_gpu=cap_t, drafter_seq_s_per_gpu=cap_d,
-               balanced_target_gpus=balance, mem_gb=mem, recompiles=recompiles,
+               balanced_target_gpus=balance, mem_gb=mem, recompiles=recompiles, bad_steps=bad_steps,
                acc_k=(correct / count.clamp(min=1)).tolist()[1:], time=time.time())
     print(f"step={step}/{total} loss={rec['loss']:.4f} acc={rec['acc']:.3f} tau_est={rec['tau_est']:.2f} "
           f"lr={lr:.2e} gnorm={gnorm:.2f} tok/s={rec['tok_s']:.0f} target_busy={t_busy:.0%} "
           f"drafter_busy={d_busy:.0%} mem={mem:.1f}GB | capacity seq/s/GPU target={cap_t:.2f} "
           f"drafter={cap_d:.2f}" + ("" if colocated else f" -> balanced split {balance:.1f}:{d.world - balance:.1f}")
-          + (f" RECOMPILES={recompiles}" if recompiles else ""), flush=True)
+          + (f" RECOMPILES={recompiles}" if recompiles else "")
+          + (f" SKIPPED_STEPS={bad_steps}" if bad_steps else ""), flush=True)
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(rec) + "\n")
+
+
+def log_skipped(run_dir, step, total, loss, gnorm, streak, bad_steps, max_bad):
+    """A step dropped for a non-finite loss or grad norm: one human line and one JSONL record (skipped=true) now,
+    whatever log_every says. Non-finite values are written as strings ("nan", "inf"): the file stays valid JSON."""
+    print(f"step={step}/{total} SKIPPED: non-finite loss={loss:.4g} gnorm={gnorm:.4g}; weights and optimizer "
+          f"state unchanged ({streak} in a row, the run stops at {max_bad}; {bad_steps} skipped so far)", flush=True)
+    num = lambda x: x if math.isfinite(x) else str(x)  # noqa: E731
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(dict(step=step, skipped=True, loss=num(loss), grad_norm=num(gnorm), bad_streak=streak,
+                                bad_steps=bad_steps, time=time.time())) + "\n")
 
 
 def placement_table(world, local_world, cfg):
@@ -771,32 +785,70 @@ def main(cfg):
         print(placement_table(nodes * gpus, gpus, cfg))
         return
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    target_config = AutoConfig.from_pretrained(cfg.target)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.target)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    validate(cfg, world, target_config, tokenizer, local_world)  # before any process group or GPU memory
+    rank, local_world = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    try:  # a config error is a message naming the field and exit 1, before any process group or GPU memory
+        try:
+            target_config = AutoConfig.from_pretrained(cfg.target)
+            tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"invalid config:\n  target: cannot read a model config and tokenizer from "
+                             f"{cfg.target!r} ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        validate(cfg, world, target_config, tokenizer, local_world)
+    except ValueError as e:
+        report_failure(f"[rank {rank}] {e}")
+        raise SystemExit(f"[rank {rank}] {e}") from None
+    targets, drafters = assign_roles(world, cfg, local_world)
+    role = "target+drafter" if world == 1 else "target" if rank in targets else "drafter"
+    # A rank killed by a signal (kill -9, the OOM killer, a segfault) prints nothing. Leave a note in torchrun's
+    # error file now, so the launcher's failure summary still names this rank and its role; a Python failure
+    # below replaces it with the real error. Its start-up timestamp makes a killed rank the "first observed
+    # failure" ahead of peers that fail later because it vanished.
+    report_failure(f"rank {rank} ({role}) died without a Python error: killed by a signal (kill -9, the OOM "
+                   f"killer) or a crash in native code (note written by train.py at start-up)")
     d = None
     try:
         d = setup_dist(cfg)
         train(cfg, d, target_config, tokenizer)
     except BaseException as e:
-        rank = d.rank if d else int(os.environ.get("RANK", "0"))
+        msg = f"[rank {rank} ({role})] FAILED: {type(e).__name__}: {e}"
         sys.stdout.flush()
-        sys.stderr.write(f"\n[rank {rank} ({d.role if d else '?'})] FAILED: {type(e).__name__}: {e}\n"
-                         f"{traceback.format_exc()}")
+        sys.stderr.write(f"\n{msg}\n{traceback.format_exc()}")
         sys.stderr.flush()
+        report_failure(f"{msg}\n{traceback.format_exc()}")
         os._exit(1)  # never wait in NCCL/gloo destructors: torchrun sees the exit and stops every other rank
     teardown_dist(d)
 
 
-def maybe_fail(d, step):
-    """Failure-path test hook: DFLASH_FAIL_AT=rank:step raises on that rank at that step; rank:step:kill sends
-    the process SIGKILL instead (no message, no cleanup: what a crash or the OOM killer does)."""
+def report_failure(msg):
+    """Write torchrun's per-rank error file (TORCHELASTIC_ERROR_FILE, its documented format): when this rank
+    fails, the launcher's summary prints `msg` under the rank and exit code. Without torchrun: nothing."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": msg.splitlines()[0], "extraInfo": {
+                "py_callstack": msg, "timestamp": str(int(time.time()))}}}, f)
+
+
+def maybe_fail(step, point="step"):
+    """Failure-path test hook, DFLASH_FAIL_AT=rank:step[:how], on that global rank at optimizer step `step`
+    (0-based; "N+" = step N and every later one):
+      (no how)  raise after that step's micro-batches (a Python error: message and traceback)
+      kill      SIGKILL there (no message, no cleanup: what a crash or the OOM killer does)
+      nan       that step's loss becomes NaN on this rank (the caller poisons it when this returns True)
+      ckpt      SIGKILL inside the write of checkpoint ckpt-<step>, after its .tmp is complete, before the rename"""
     spec = os.environ.get("DFLASH_FAIL_AT", "").split(":")
-    if len(spec) >= 2 and [int(x) for x in spec[:2]] == [d.rank, step]:
-        if spec[2:] == ["kill"]:
-            os.kill(os.getpid(), 9)
-        raise RuntimeError(f"injected failure (DFLASH_FAIL_AT={':'.join(spec)})")
+    if len(spec) < 2 or int(spec[0]) != int(os.environ.get("RANK", "0")):
+        return False
+    how, at = (spec[2] if len(spec) > 2 else ""), spec[1]
+    if point != {"nan": "loss", "ckpt": "ckpt"}.get(how, "step"):
+        return False
+    if not (step >= int(at[:-1]) if at.endswith("+") else step == int(at)):
+        return False
+    if how in ("kill", "ckpt"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == "nan":
+        return True
+    raise RuntimeError(f"injected failure (DFLASH_FAIL_AT={':'.join(spec)})")
 
 
 def train(cfg, d, target_config, tokenizer):
@@ -825,7 +877,7 @@ def train(cfg, d, target_config, tokenizer):
         raise ValueError(f"{len(data)} sequences do not fill one optimizer step of {per_step * cfg.batch_size}")
     total = cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))
     resume = find_resume(cfg, run_dir)
-    state = torch.load(os.path.join(resume, "train_state.pt"), weights_only=False) if resume else None
+    state = load_train_state(resume) if resume else None
     start = state["step"] if state else 0
     if d.rank == 0:
         print(f"data: {len(data)} sequences, {steps_per_epoch} optimizer steps/epoch, {total} steps of "
@@ -859,11 +911,21 @@ def train(cfg, d, target_config, tokenizer):
     Dr, di, K = len(d.drafters), d.drafters.index(d.rank), dcfg.block_size
     mine = deque(m for s in range(start, total) for m in range(s * per_step + di, (s + 1) * per_step, Dr))
     receiver = None if d.is_target else Receiver(cfg, d, len(dcfg.target_layer_ids) * dcfg.hidden_size, dtype, mine)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
     if d.leader and not state:
-        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-            os.remove(os.path.join(run_dir, "metrics.jsonl"))
+        if os.path.exists(metrics):
+            os.remove(metrics)
         save_drafter(drafter, os.path.join(run_dir, "init"))  # the untrained drafter: the eval baseline
-    acc, t_log, warm_graphs = None, time.perf_counter(), None
+    if d.leader and state and os.path.exists(metrics):  # drop lines of steps past the checkpoint: they are redone
+        with open(metrics) as f:
+            rows = [x for x in f if x.strip() and json.loads(x)["step"] <= start]
+        with open(metrics + ".tmp", "w") as f:
+            f.writelines(rows)
+        os.replace(metrics + ".tmp", metrics)
+    acc, t_log, warm_graphs, gnorm_ok = None, time.perf_counter(), None, float("nan")
+    # non-finite steps: skipped in total (kept across resumes) and in a row; checkpoints are written only outside a
+    # bad streak, so the newest checkpoint is the last good one and keep_ckpts never prunes it away
+    bad_steps, streak, last_good = (state.get("bad_steps", 0) if state else 0), 0, resume
     for step in range(start, total):
         # [loss_sum, weight_sum, tau_sum, blocks, tokens, sequences, target s, drafter s, correct_K, count_K]
         stats = torch.zeros(8 + 2 * K, dtype=torch.float64)
@@ -885,6 +947,8 @@ def train(cfg, d, target_config, tokenizer):
             anchors, keep = sample_anchors(batch["loss_mask"], cfg.num_anchors, gen)
             r = dflash_loss(drafter, embed, head, batch["input_ids"], batch["loss_mask"], hidden, anchors, keep,
                             gamma=cfg.gamma, backend=backend, chunk_blocks=cfg.loss_chunk)
+            if maybe_fail(step, "loss"):  # test hook: a non-finite loss on this rank
+                r["loss_sum"] = r["loss_sum"] * float("nan")
             r["loss_sum"].backward()  # the numerator; normalized once the global weight sum is known
             head_stats = torch.stack([r["loss_sum"].detach(), r["weight_sum"], r["tau_sum"], r["blocks"]])
             stats += torch.cat([head_stats.double().cpu(),
@@ -892,29 +956,46 @@ def train(cfg, d, target_config, tokenizer):
                                              dtype=torch.float64),
                                 r["correct_K"].double().cpu(), r["count_K"].double().cpu()])
             stats[7] += time.perf_counter() - t0  # .cpu() above synchronized
-            maybe_fail(d, step)
+            maybe_fail(step)
         if Dr > 1:
             stats = stats.to(d.device)
             dist.all_reduce(stats, group=d.drafter_group)
             stats = stats.cpu()
         t0 = time.perf_counter()
         lr = lr_at(cfg, step, total)
-        gnorm = optim.step(lr, stats[1].item())
+        gnorm, applied = optim.step(lr, stats[1].item(), loss_finite=math.isfinite(stats[0].item()))
         stats[7] += (time.perf_counter() - t0) * Dr  # optimizer time is drafter busy time on every drafter
-        acc = stats if acc is None else acc + stats
         done = step + 1
+        if applied:
+            acc, streak, gnorm_ok = (stats if acc is None else acc + stats), 0, gnorm
+        else:
+            bad_steps, streak = bad_steps + 1, streak + 1
+            if d.leader:
+                log_skipped(run_dir, done, total, stats[0].item() / max(stats[1].item(), 1e-12), gnorm, streak,
+                            bad_steps, cfg.max_bad_steps)
+            if streak >= cfg.max_bad_steps:  # every drafter rank gets here at the same step (same reduced stats)
+                raise FloatingPointError(
+                    f"{streak} consecutive steps with a non-finite loss or grad norm (steps {done - streak + 1}-"
+                    f"{done}, none applied; max_bad_steps={cfg.max_bad_steps}). Last good checkpoint: "
+                    f"{last_good or 'none (no checkpoint written yet)'}; after a fix (lower lr, check the data) "
+                    f"continue with --resume={last_good or 'auto'}")
         if warm_graphs is None and done - start >= 2:  # compile warm-up is over after two steps
             warm_graphs = compile_count()
         if d.leader and (done % cfg.log_every == 0 or done == total):
-            log_line(cfg, d, run_dir, done, total, acc, gnorm, lr, time.perf_counter() - t_log, K,
-                     compile_count() - (warm_graphs or compile_count()))
+            if acc is not None:  # (an interval of skipped steps only has nothing to average: its lines say it)
+                log_line(cfg, d, run_dir, done, total, acc, gnorm_ok, lr, time.perf_counter() - t_log, K,
+                         compile_count() - (warm_graphs or compile_count()), bad_steps)
             acc, t_log = None, time.perf_counter()
-        if d.leader and (done % cfg.ckpt_every == 0 or done == total):
-            path = save_checkpoint(run_dir, done, drafter, optim, cfg, done * per_step)
-            plot_curves(run_dir)
-            print(f"checkpoint {path}", flush=True)
+        if streak == 0 and (done % cfg.ckpt_every == 0 or done == total):
+            last_good = os.path.join(run_dir, f"ckpt-{done:07d}")
+            if d.leader:
+                save_checkpoint(run_dir, done, drafter, optim, cfg, done * per_step, bad_steps)
+                plot_curves(run_dir)
+                print(f"checkpoint {last_good}", flush=True)
     if d.leader:
-        print(f"done: {total} steps; checkpoints in {run_dir}", flush=True)
+        print(f"done: {total} steps" + (f", {bad_steps} skipped as non-finite" if bad_steps else "") +
+              (f" (the last {streak} in a row: no final checkpoint)" if streak else "") +
+              f"; checkpoints in {run_dir}", flush=True)
 
 
 if __name__ == "__main__":
