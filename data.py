@@ -437,20 +437,33 @@ def load_target(path, device="cpu", dtype=None):
 
 
 @torch.no_grad()
-def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs):
-    """Greedy, batched with left padding -> (texts cut before eos, #tokens incl. eos, #unfinished)."""
+def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs, max_batch_tokens=131072):
+    """Greedy, batched with left padding -> (texts cut before eos, #tokens incl. eos, #unfinished).
+
+    Prompts are sorted by length and cut into sub-batches of at most max_batch_tokens padded tokens
+    (rows x (longest prompt + max_new_tokens)): similar lengths pad less, and one long prompt no longer
+    pads a whole batch (256 rows x one long chitchat prompt asked an H200 for 127 GiB). Order is restored."""
     texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True, **template_kwargs)
              for p in prompts]
-    enc = tokenizer(texts, add_special_tokens=False, padding=True, padding_side="left",
-                    return_tensors="pt").to(model.device)
-    out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    answers, n_tokens, unfinished = [], 0, 0
-    for row in out[:, enc["input_ids"].shape[1]:].tolist():
-        n = row.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in row else len(row)
-        unfinished += n == len(row)
-        n_tokens += min(n + 1, len(row))
-        answers.append(tokenizer.decode(row[:n], skip_special_tokens=False, clean_up_tokenization_spaces=False))
+    lengths = [len(x) for x in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    groups, cur = [], []
+    for i in sorted(range(len(texts)), key=lambda i: lengths[i]):
+        if cur and (len(cur) + 1) * (lengths[i] + max_new_tokens) > max_batch_tokens:
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    groups.append(cur)
+    answers, n_tokens, unfinished = [None] * len(texts), 0, 0
+    for g in groups:
+        enc = tokenizer([texts[i] for i in g], add_special_tokens=False, padding=True, padding_side="left",
+                        return_tensors="pt").to(model.device)
+        out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        for i, row in zip(g, out[:, enc["input_ids"].shape[1]:].tolist()):
+            n = row.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in row else len(row)
+            unfinished += n == len(row)
+            n_tokens += min(n + 1, len(row))
+            answers[i] = tokenizer.decode(row[:n], skip_special_tokens=False, clean_up_tokenization_spaces=False)
     return answers, n_tokens, unfinished
 
 

@@ -440,3 +440,14 @@ def test_cli_regenerate_worker_processes(tmp_path, tiny):
     for o in outs:
         assert o["messages"][1]["content"] == hf_greedy(model, tok, o["messages"][:1], 5)
     assert not list(tmp_path.glob("o.jsonl.*"))
+
+
+def test_generate_token_budget_keeps_answers_and_order(target):
+    """Sorting by length and splitting under a padded-token budget changes batches, never answers or their order."""
+    model, tok = target
+    prompts = [[{"role": "user", "content": "Tell me a long story about a dragon who learned to cook pasta."}],
+               [{"role": "user", "content": "Hi"}],
+               [{"role": "user", "content": "What is 2+2?"}]]
+    whole = data._generate(model, tok, prompts, 10, {}, max_batch_tokens=10**9)
+    alone = data._generate(model, tok, prompts, 10, {}, max_batch_tokens=1)  # one prompt per sub-batch
+    assert whole == alone and len(whole[0]) == 3 and whole[0][1] != whole[0][0]
