@@ -250,6 +250,9 @@ def validate(cfg, world, target_config, tokenizer, local_world=None):
     except ValueError as e:
         errs.append(str(e))
     tc = target_config.get_text_config()
+    n_shape = len(errs)  # the fields the drafter config is derived from, checked first
+    if cfg.drafter_layers < 1:
+        errs.append(f"drafter_layers={cfg.drafter_layers} must be >= 1")
     n_feat = cfg.target_features or cfg.drafter_layers
     if not 1 <= n_feat <= tc.num_hidden_layers:
         errs.append(f"target_features={n_feat} must be in [1, {tc.num_hidden_layers}] (target depth)")
@@ -259,14 +262,14 @@ def validate(cfg, world, target_config, tokenizer, local_world=None):
         errs.append(f"sliding_layers={cfg.sliding_layers} must be in [0, drafter_layers={cfg.drafter_layers}]")
     if cfg.sliding_layers > 0 and cfg.sliding_window < 1:
         errs.append(f"sliding_window={cfg.sliding_window} must be >= 1 when sliding_layers > 0")
-    mask_bad = cfg.mask_token.isdigit() and int(cfg.mask_token) >= tc.vocab_size
-    if mask_bad:
+    if cfg.mask_token.isdigit() and int(cfg.mask_token) >= tc.vocab_size:
         errs.append(f"mask_token={cfg.mask_token} must be < the target vocabulary ({tc.vocab_size})")
+    shape_ok = len(errs) == n_shape  # else deriving the drafter config would only repeat these errors
     if not os.path.isfile(cfg.data):
         errs.append(f"data: no such file {cfg.data!r}")
     if cfg.max_length < cfg.block_size:
         errs.append(f"max_length={cfg.max_length} must be >= block_size={cfg.block_size}")
-    for name in ("drafter_layers", "batch_size", "grad_accum", "num_anchors", "pad_multiple", "prefetch",
+    for name in ("batch_size", "grad_accum", "num_anchors", "pad_multiple", "prefetch",
                  "transport_timeout", "log_every", "ckpt_every", "keep_ckpts", "max_bad_steps"):
         if getattr(cfg, name) < 1:
             errs.append(f"{name}={getattr(cfg, name)} must be >= 1")
@@ -305,7 +308,7 @@ def validate(cfg, world, target_config, tokenizer, local_world=None):
     if cfg.init_drafter and not all(os.path.isfile(os.path.join(cfg.init_drafter, f))
                                     for f in ("config.json", "model.safetensors")):
         errs.append(f"init_drafter: {cfg.init_drafter!r} holds no config.json + model.safetensors")
-    elif not mask_bad:  # (a bad mask token would only be reported twice)
+    elif shape_ok:
         try:
             dcfg = drafter_cfg(cfg, target_config, tokenizer)
         except (ValueError, KeyError, OSError) as e:

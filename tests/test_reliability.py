@@ -1,0 +1,374 @@
+"""Fault campaign (issue 6): every fault ends in a clean, loud exit or in the result of a run without it.
+
+Killed ranks (kill -9 of a target and of a drafter rank at seeded random steps), a crash between a checkpoint's
+temp write and its rename followed by an exact resume under the split topology, non-finite steps (skipped,
+counted, stopped after max_bad_steps), a table of invalid configurations rejected before any model is loaded,
+and the loading/writing safety rules. Real torchrun jobs on CPU (gloo) with the tiny random target of conftest.
+
+    python -m pytest -q tests/test_reliability.py
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from conftest import ROOT, run_train
+
+SPLIT = ("--target_ranks=2", "--drafter_ranks=1")
+
+
+def records(out):
+    return [json.loads(x) for x in open(Path(out) / "r" / "metrics.jsonl")]
+
+
+def procs_with(marker):
+    """pids of live processes whose command line mentions `marker` (a test's unique out_dir)."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit() and p.name != str(os.getpid()):
+            try:
+                cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                state = (p / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:  # exited while we looked
+                continue
+            if marker in cmd and state != "Z":
+                pids.append(int(p.name))
+    return pids
+
+
+def rank_pid(marker, rank):
+    """The worker process of global rank `rank` in the job whose command line mentions `marker`."""
+    for pid in procs_with(marker):
+        try:
+            env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID" in b" ".join(env):
+            return pid
+    return None
+
+
+# -----------------------------------------------------------------------------
+# kill -9
+
+
+@pytest.mark.parametrize("role", ["target", "drafter"])
+def test_kill_9_names_rank_and_role_exits_fast_no_orphans(tiny_target, convs, tmp_path, role):
+    """A real `kill -9` from outside, at a seeded random step, of a target rank (0 or 1) or the drafter (rank 2)
+    of a 2 + 1 job: the job exits non-zero within 60 s of the kill, torchrun's summary names the rank and its role
+    as the root cause, and no process of the job is left."""
+    rng = random.Random(f"issue6-{role}")
+    rank = rng.choice([0, 1]) if role == "target" else 2
+    kill_at = rng.randint(2, 6)  # optimizer steps already logged when the kill lands
+    out = tmp_path / f"kill-{role}"
+    p = run_train(tiny_target, convs, out, 3, "--max_steps=400", *SPLIT, wait=False)
+    metrics = out / "r" / "metrics.jsonl"
+    t_start = time.time()
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= kill_at):
+        assert p.poll() is None, p.communicate()[1][-3000:]
+        assert time.time() - t_start < 120, "the job never reached the kill step"
+        time.sleep(0.05)
+    pid = rank_pid(str(out), rank)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    t_kill = time.time()
+    _, err = p.communicate(timeout=120)
+    secs = time.time() - t_kill
+    assert p.returncode != 0
+    assert secs < 60, secs
+    root = err[err.index("Root Cause"):]
+    assert f"rank      : {rank} " in root and "SIGKILL" in root, root
+    assert f"rank {rank} ({role}) died without a Python error" in root, root
+    assert procs_with(str(out)) == [], "orphan processes"
+
+
+# -----------------------------------------------------------------------------
+# a crash inside a checkpoint write, then an exact resume under the split topology
+
+
+def test_crash_in_checkpoint_write_keeps_newest_and_resume_is_exact_split(tiny_target, convs, tmp_path):
+    """2 target + 1 drafter ranks, fp32, batch 2 x grad_accum 2. The drafter (the checkpoint writer) is SIGKILLed
+    after ckpt-0000004.tmp is complete and before its rename: ckpt-0000002 stays intact and loadable, --resume=auto
+    picks it, and the resumed run's losses, grad norms and final weights equal an uninterrupted run's exactly
+    (data cursor, anchor sampling, LR schedule and optimizer state all restored)."""
+    args = ("--max_steps=6", "--batch_size=2", "--grad_accum=2", "--ckpt_every=2", "--keep_ckpts=2", *SPLIT)
+    p, _ = run_train(tiny_target, convs, tmp_path / "straight", 3, *args)
+    assert p.returncode == 0, p.stderr[-3000:]
+    straight = records(tmp_path / "straight")
+
+    out = tmp_path / "crash"
+    p, _ = run_train(tiny_target, convs, out, 3, *args, env={"DFLASH_FAIL_AT": "2:4:ckpt"})
+    assert p.returncode != 0 and "SIGKILL" in p.stderr
+    run = out / "r"
+    assert train.list_ckpts(run) == ["ckpt-0000002"]
+    assert (run / "ckpt-0000004.tmp" / "train_state.pt").exists()  # killed after the temp write, before the rename
+    from model import load_drafter
+    load_drafter(run / "ckpt-0000002")
+    assert train.load_train_state(run / "ckpt-0000002")["step"] == 2
+    assert [r["step"] for r in records(out)] == [1, 2, 3, 4]  # steps 3-4 ran, then their checkpoint was lost
+
+    p, _ = run_train(tiny_target, convs, out, 3, *args, "--resume=auto")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resuming at step 2" in p.stdout
+    resumed = records(out)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]  # the lines of the lost steps were replaced
+    for key in ("loss", "grad_norm", "acc", "tau_est", "lr"):
+        assert [r[key] for r in resumed] == [r[key] for r in straight], key  # bit-identical in fp32
+    a = train.load_train_state(tmp_path / "straight" / "r" / "ckpt-0000006")
+    b = train.load_train_state(run / "ckpt-0000006")
+    assert all(torch.equal(x, y) for x, y in zip(a["masters"], b["masters"]))
+    assert (run / "ckpt-0000006" / "model.safetensors").read_bytes() == \
+        (tmp_path / "straight" / "r" / "ckpt-0000006" / "model.safetensors").read_bytes()
+    assert sorted(os.listdir(run)) == sorted(os.listdir(tmp_path / "straight" / "r"))  # no .tmp left behind
+
+
+def test_checkpoint_write_failure_keeps_earlier_ones(tmp_path, monkeypatch):
+    """A failed write (here: the disk is full while torch.save runs) raises, removes its .tmp and leaves the
+    earlier checkpoints alone; rewriting an existing step swaps it out instead of deleting it first."""
+    cfg = train.Config(keep_ckpts=2)
+    d = train.Dist(0, 1, torch.device("cpu"), [0], [0], 1, None, None, None)
+    from model import DFlashDrafter, DrafterConfig
+    dcfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, vocab_size=128, mask_token_id=3,
+                         target_layer_ids=[1], num_target_layers=4)
+    drafter = DFlashDrafter(dcfg)
+    optim = train.Optimizer(cfg, drafter, d)
+    for step in (1, 2):
+        train.save_checkpoint(tmp_path, step, drafter, optim, cfg, step)
+    before = {c: (tmp_path / c / "model.safetensors").read_bytes() for c in train.list_ckpts(tmp_path)}
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        train.save_checkpoint(tmp_path, 3, drafter, optim, cfg, 3)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-0000001", "ckpt-0000002"]  # no torn ckpt-3, no .tmp
+    assert {c: (tmp_path / c / "model.safetensors").read_bytes() for c in train.list_ckpts(tmp_path)} == before
+    with torch.no_grad():
+        next(drafter.parameters()).add_(1.0)
+    train.save_checkpoint(tmp_path, 2, drafter, optim, cfg, 2)  # the same step again: replaced, not lost
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-0000001", "ckpt-0000002"]
+    assert (tmp_path / "ckpt-0000002" / "model.safetensors").read_bytes() != before["ckpt-0000002"]
+
+
+# -----------------------------------------------------------------------------
+# non-finite loss or grad norm
+
+
+def _optimizer(dtype):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8).to(dtype)
+    d = train.Dist(0, 1, torch.device("cpu"), [0], [0], 1, None, None, None)
+    return model, train.Optimizer(train.Config(), model, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nonfinite_step_changes_nothing(dtype):
+    model, opt = _optimizer(dtype)
+    model(torch.randn(4, 8, dtype=dtype)).sum().backward()
+    assert opt.step(1e-2, 4.0)[1]  # a good step first, so Adam has state to (not) change
+    snap = [p.detach().clone() for p in model.parameters()], [m.detach().clone() for m in opt.masters]
+    state = {k: v.clone() for k, v in opt.opt.state[opt.masters[0]].items()}
+    for poison in ("grad", "loss"):
+        model(torch.randn(4, 8, dtype=dtype)).sum().backward()
+        if poison == "grad":
+            model.weight.grad[0, 0] = float("nan")
+        gnorm, applied = opt.step(1e-2, 4.0, loss_finite=poison != "loss")
+        assert not applied and (poison == "loss") == (gnorm == gnorm)  # nan != nan
+        assert all(p.grad is None for p in model.parameters())  # the bad gradients are dropped
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), snap[0]))
+        assert all(torch.equal(a, b) for a, b in zip(opt.masters, snap[1]))
+        assert all(torch.equal(v, state[k]) for k, v in opt.opt.state[opt.masters[0]].items())
+    model(torch.randn(4, 8, dtype=dtype)).sum().backward()
+    assert opt.step(1e-2, 4.0)[1]  # the next good step applies normally
+    assert not torch.equal(model.weight, snap[0][0])
+
+
+def test_nonfinite_step_is_skipped_counted_and_logged(tiny_target, convs, tmp_path):
+    """One NaN loss at step index 2 (the 3rd step): skipped, counted, logged at once; training continues and
+    the optimizer applied 4 of 5 updates; no checkpoint holds a bad step."""
+    p, _ = run_train(tiny_target, convs, tmp_path, 1, "--max_steps=5", "--ckpt_every=1", "--keep_ckpts=5",
+                     env={"DFLASH_FAIL_AT": "0:2:nan"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "step=3/5 SKIPPED: non-finite loss=nan" in p.stdout and "done: 5 steps, 1 skipped" in p.stdout
+    rows = records(tmp_path)
+    assert [(r["step"], bool(r.get("skipped"))) for r in rows] == [(1, 0), (2, 0), (3, 1), (4, 0), (5, 0)]
+    assert rows[2]["loss"] == "nan" and rows[2]["bad_steps"] == 1 and [r["bad_steps"] for r in rows[3:]] == [1, 1]
+    assert train.list_ckpts(tmp_path / "r") == ["ckpt-0000001", "ckpt-0000002", "ckpt-0000004", "ckpt-0000005"]
+    state = train.load_train_state(tmp_path / "r" / "ckpt-0000005")
+    assert state["bad_steps"] == 1
+    assert all(int(s["step"]) == 4 for s in state["optimizer"]["state"].values())  # Adam saw 4 updates, not 5
+
+
+def test_consecutive_nonfinite_steps_stop_the_run_naming_last_good_checkpoint(tiny_target, convs, tmp_path):
+    """1 target + 2 drafter ranks; NaN losses on rank 2 only, from step index 2 on: the leader (rank 1) sees them
+    through the all-reduce, both drafters skip the same steps, and after max_bad_steps=3 the job stops with the
+    path of the last good checkpoint."""
+    p, secs = run_train(tiny_target, convs, tmp_path, 3, "--max_steps=50", "--ckpt_every=2", "--max_bad_steps=3",
+                        "--target_ranks=1", "--drafter_ranks=2", env={"DFLASH_FAIL_AT": "2:2+:nan"})
+    assert p.returncode != 0
+    good = str(tmp_path / "r" / "ckpt-0000002")
+    assert f"3 consecutive steps with a non-finite loss or grad norm (steps 3-5" in p.stderr
+    assert f"Last good checkpoint: {good}" in p.stderr
+    rows = records(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]  # nothing after the stop
+    assert [r.get("bad_streak") for r in rows[2:]] == [1, 2, 3]
+    assert train.list_ckpts(tmp_path / "r") == ["ckpt-0000002"]  # no checkpoint during the bad streak
+    assert secs < 120
+
+
+# -----------------------------------------------------------------------------
+# config validation: every field error named, before any model loading
+
+# one invalid field per row, on top of a valid 2 + 1 configuration (checked valid below)
+INVALID = [
+    ("world", dict(target_ranks=3), "target_ranks"),  # 3 + 1 != world size 3
+    ("layer ids", dict(target_features=9), "target_features"),  # the target has 6 layers
+    ("block", dict(block_size=1), "block_size"),
+    ("mask id", dict(mask_token="49152"), "mask_token"),  # vocabulary 49152
+    ("mask string", dict(mask_token="<not-a-token>"), "mask_token"),
+    ("data", dict(data="/nonexistent/train.jsonl"), "data"),
+    ("max_length", dict(max_length=3), "max_length"),  # < block_size 4
+    ("anchors", dict(num_anchors=0), "num_anchors"),
+    ("gamma", dict(gamma=0.0), "gamma"),
+    ("lr", dict(lr=-1e-3), "lr"),
+    ("lr nan", dict(lr=float("nan")), "lr"),
+    ("warmup", dict(warmup_ratio=1.0), "warmup_ratio"),
+    ("beta2", dict(beta2=1.0), "beta2"),
+    ("epochs", dict(epochs=0.0, max_steps=0), "epochs"),
+    ("max_steps", dict(max_steps=-1), "max_steps"),
+    ("clip", dict(grad_clip=0.0), "grad_clip"),
+    ("keep", dict(keep_ckpts=0), "keep_ckpts"),
+    ("bad steps", dict(max_bad_steps=0), "max_bad_steps"),
+    ("escape", dict(run_name="../elsewhere"), "run_name"),
+    ("absolute", dict(run_name="/tmp/elsewhere"), "run_name"),
+    ("nested", dict(run_name="a/b"), "run_name"),
+    ("init", dict(init_drafter="/nonexistent/drafter"), "init_drafter"),
+    ("resume", dict(resume="/nonexistent/ckpt-0000100"), "resume"),
+    ("window", dict(sliding_window=0), "sliding_window"),  # sliding_layers=1
+    ("sliding", dict(sliding_layers=3), "sliding_layers"),  # drafter_layers=2
+    ("dtype", dict(dtype="float16"), "dtype"),
+    ("shard", dict(target_shard="zero3"), "target_shard"),
+    ("device", dict(device="tpu"), "device"),
+    ("prefetch", dict(prefetch=0), "prefetch"),
+]
+
+
+@pytest.fixture
+def valid(tiny_target, convs, tmp_path):
+    return dict(target=str(tiny_target), data=str(convs), out_dir=str(tmp_path / "out"), run_name="r", device="cpu",
+                mask_token="<empty_output>", drafter_layers=2, target_features=3, sliding_layers=1,
+                sliding_window=16, block_size=4, num_anchors=8, max_length=64, target_ranks=2, drafter_ranks=1)
+
+
+@pytest.fixture(scope="module")
+def target_meta(tiny_target):
+    from transformers import AutoConfig, AutoTokenizer
+    return AutoConfig.from_pretrained(tiny_target), AutoTokenizer.from_pretrained(tiny_target)
+
+
+@pytest.mark.parametrize("case,override,field", INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_config_names_the_field(valid, target_meta, case, override, field):
+    train.validate(train.Config(**valid), 3, *target_meta)  # the base is valid: the override alone is at fault
+    with pytest.raises(ValueError) as e:
+        train.validate(train.Config(**{**valid, **override}), 3, *target_meta)
+    lines = str(e.value).splitlines()[1:]
+    assert len(lines) == 1 and field in lines[0], lines
+
+
+def test_fresh_run_over_old_checkpoints_is_refused(valid, target_meta):
+    os.makedirs(os.path.join(valid["out_dir"], "r", "ckpt-0000100"))
+    with pytest.raises(ValueError, match=r"resume: .* already holds checkpoints .*ckpt-0000100"):
+        train.validate(train.Config(**valid), 3, *target_meta)
+    train.validate(train.Config(**valid, resume="auto"), 3, *target_meta)
+
+
+@pytest.mark.parametrize("argv,field", [(["--lrr=1"], "lrr"), (["--batch_size=two"], "batch_size"),
+                                        (["--skip_invalid=maybe"], "skip_invalid"), (["--preset=huge"], "preset"),
+                                        (["lr=1"], "lr=1")])
+def test_bad_command_line_names_the_field(argv, field):
+    with pytest.raises(SystemExit, match=field):
+        train.parse_config(argv)
+
+
+def test_bad_config_stops_before_any_model_loading(tiny_target, convs, tmp_path):
+    """The real entry point under torchrun: every rank refuses at once, all errors listed, nothing loaded, no
+    process group; a missing target is named as such."""
+    p, secs = run_train(tiny_target, convs, tmp_path, 3, *SPLIT, "--block_size=1", "--lr=0", "--run_name=../x")
+    assert p.returncode != 0
+    for part in ("block_size=1", "lr=0.0", "run_name='../x'"):
+        assert part in p.stderr, part
+    assert "placement:" not in p.stdout and "target loaded" not in p.stdout and "target weights" not in p.stdout
+    assert "invalid config" in p.stderr[p.stderr.index("Root Cause"):]  # torchrun's summary says why
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), "--target=/nonexistent/model", f"--data={convs}"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode != 0 and "target: cannot read" in p.stderr and "Traceback" not in p.stderr
+
+
+# -----------------------------------------------------------------------------
+# nothing runs code it should not, nothing is fetched, nothing written outside the run directory
+
+
+class _Payload:
+    def __reduce__(self):  # unpickling calls open(marker, "w"): would create the file
+        return open, (os.environ["DFLASH_TEST_MARKER"], "w")
+
+
+def test_train_state_holding_code_is_refused(tmp_path, monkeypatch):
+    marker = tmp_path / "ran"
+    monkeypatch.setenv("DFLASH_TEST_MARKER", str(marker))
+    ck = tmp_path / "ckpt-0000001"
+    ck.mkdir()
+    torch.save({"step": 1, "masters": [torch.zeros(2)], "x": _Payload()}, ck / "train_state.pt")
+    with pytest.raises(ValueError, match="refusing to unpickle"):
+        train.load_train_state(ck)
+    assert not marker.exists()
+
+
+def test_no_remote_code_no_unsafe_unpickling_in_the_repo():
+    for f in list(ROOT.glob("*.py")):
+        src = f.read_text()
+        assert "trust_remote_code=True" not in src, f
+        assert "weights_only=False" not in src, f
+        assert "pickle.load" not in src, f
+
+
+GUARD = '''
+import socket
+_ok = ("localhost", "127.0.0.1", "::1", socket.gethostname())
+_getaddrinfo, _connect = socket.getaddrinfo, socket.socket.connect
+def _no_dns(host, *a, **k):
+    if host not in _ok and host is not None:
+        raise OSError(f"network access attempted: {host}")
+    return _getaddrinfo(host, *a, **k)
+def _no_connect(self, addr):
+    if isinstance(addr, tuple) and addr[0] not in _ok:
+        raise OSError(f"network access attempted: {addr}")
+    return _connect(self, addr)
+socket.getaddrinfo, socket.socket.connect = _no_dns, _no_connect
+'''
+
+
+def test_training_needs_no_network_and_writes_only_its_run_directory(tiny_target, convs, tmp_path):
+    guard = tmp_path / "guard"
+    guard.mkdir()
+    (guard / "sitecustomize.py").write_text(GUARD)
+    env = {"PYTHONPATH": str(guard), "DFLASH_CACHE": str(tmp_path / "cache")}
+    probe = subprocess.run([sys.executable, "-c", "import urllib.request; urllib.request.urlopen('http://example.com')"],
+                           capture_output=True, text=True, env={**os.environ, **env})
+    assert "network access attempted" in probe.stderr  # the guard is live in child processes
+    out = tmp_path / "out"
+    p, _ = run_train(tiny_target, convs, out, 1, "--max_steps=2", env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert os.listdir(out) == ["r"]  # everything the run writes is under out_dir/run_name
+    assert sorted(os.listdir(tmp_path)) == ["cache", "guard", "out"]  # and the tokenized cache where it was told
