@@ -808,6 +808,7 @@ def main(cfg):
     # failure" ahead of peers that fail later because it vanished.
     report_failure(f"rank {rank} ({role}) died without a Python error: killed by a signal (kill -9, the OOM "
                    f"killer) or a crash in native code (note written by train.py at start-up)")
+    die_with_launcher()
     d = None
     try:
         d = setup_dist(cfg)
@@ -820,6 +821,19 @@ def main(cfg):
         report_failure(f"{msg}\n{traceback.format_exc()}")
         os._exit(1)  # never wait in NCCL/gloo destructors: torchrun sees the exit and stops every other rank
     teardown_dist(d)
+
+
+def die_with_launcher():
+    """Under torchrun (Linux): the kernel SIGKILLs this rank when its launcher dies. torchrun starts every worker
+    in its own session, so a `kill -9` of torchrun (or a scheduler ending the job step that way) would otherwise
+    leave the ranks running, holding their GPUs, with nobody to stop them."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os._exit(1)
 
 
 def report_failure(msg):
