@@ -99,11 +99,13 @@ def test_kill_9_names_rank_and_role_exits_fast_no_orphans(tiny_target, convs, tm
 
 
 def test_crash_in_checkpoint_write_keeps_newest_and_resume_is_exact_split(tiny_target, convs, tmp_path):
-    """2 target + 1 drafter ranks, fp32, batch 2 x grad_accum 2. The drafter (the checkpoint writer) is SIGKILLed
-    after ckpt-0000004.tmp is complete and before its rename: ckpt-0000002 stays intact and loadable, --resume=auto
-    picks it, and the resumed run's losses, grad norms and final weights equal an uninterrupted run's exactly
-    (data cursor, anchor sampling, LR schedule and optimizer state all restored)."""
-    args = ("--max_steps=6", "--batch_size=2", "--grad_accum=2", "--ckpt_every=2", "--keep_ckpts=2", *SPLIT)
+    """2 target + 1 drafter ranks, fp32, batch 2 x grad_accum 2 (6 steps per epoch of 24 conversations), warmup
+    over 4 of 8 steps. The drafter (the checkpoint writer) is SIGKILLed after ckpt-0000004.tmp is complete and
+    before its rename: ckpt-0000002 stays intact and loadable, --resume=auto picks it, and the resumed run (inside
+    the warmup, across the epoch boundary) has the losses, grad norms and final weights of an uninterrupted run,
+    exactly: data cursor, anchor sampling, LR schedule and optimizer state are all restored."""
+    args = ("--max_steps=8", "--batch_size=2", "--grad_accum=2", "--ckpt_every=2", "--keep_ckpts=2",
+            "--warmup_ratio=0.5", *SPLIT)
     p, _ = run_train(tiny_target, convs, tmp_path / "straight", 3, *args)
     assert p.returncode == 0, p.stderr[-3000:]
     straight = records(tmp_path / "straight")
@@ -123,14 +125,14 @@ def test_crash_in_checkpoint_write_keeps_newest_and_resume_is_exact_split(tiny_t
     assert p.returncode == 0, p.stderr[-3000:]
     assert "resuming at step 2" in p.stdout
     resumed = records(out)
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]  # the lines of the lost steps were replaced
+    assert [r["step"] for r in resumed] == list(range(1, 9))  # the lines of the lost steps were replaced
     for key in ("loss", "grad_norm", "acc", "tau_est", "lr"):
         assert [r[key] for r in resumed] == [r[key] for r in straight], key  # bit-identical in fp32
-    a = train.load_train_state(tmp_path / "straight" / "r" / "ckpt-0000006")
-    b = train.load_train_state(run / "ckpt-0000006")
+    a = train.load_train_state(tmp_path / "straight" / "r" / "ckpt-0000008")
+    b = train.load_train_state(run / "ckpt-0000008")
     assert all(torch.equal(x, y) for x, y in zip(a["masters"], b["masters"]))
-    assert (run / "ckpt-0000006" / "model.safetensors").read_bytes() == \
-        (tmp_path / "straight" / "r" / "ckpt-0000006" / "model.safetensors").read_bytes()
+    assert (run / "ckpt-0000008" / "model.safetensors").read_bytes() == \
+        (tmp_path / "straight" / "r" / "ckpt-0000008" / "model.safetensors").read_bytes()
     assert sorted(os.listdir(run)) == sorted(os.listdir(tmp_path / "straight" / "r"))  # no .tmp left behind
 
 
