@@ -900,6 +900,10 @@ def train(cfg, d, target_config, tokenizer):
         print(f"data: {len(data)} sequences, {steps_per_epoch} optimizer steps/epoch, {total} steps of "
               f"{per_step} micro-batches x {cfg.batch_size}" + (f"; resuming at step {start}" if state else ""),
               flush=True)
+        changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in (state or {}).get("config", {}).items()
+                   if k != "resume" and getattr(cfg, k, v) != v]
+        if changed:  # allowed (e.g. a longer max_steps), but the run is then no longer the uninterrupted one
+            print(f"WARNING resume: config differs from the checkpoint's: {', '.join(changed)}", flush=True)
 
     capture = None
     if d.is_target:

@@ -123,7 +123,7 @@ def test_crash_in_checkpoint_write_keeps_newest_and_resume_is_exact_split(tiny_t
 
     p, _ = run_train(tiny_target, convs, out, 3, *args, "--resume=auto")
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "resuming at step 2" in p.stdout
+    assert "resuming at step 2" in p.stdout and "WARNING resume" not in p.stdout  # the same config
     resumed = records(out)
     assert [r["step"] for r in resumed] == list(range(1, 9))  # the lines of the lost steps were replaced
     for key in ("loss", "grad_norm", "acc", "tau_est", "lr"):
