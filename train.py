@@ -848,7 +848,8 @@ def report_failure(msg):
 
 def maybe_fail(step, point="step"):
     """Failure-path test hook, DFLASH_FAIL_AT=rank:step[:how], on that global rank at optimizer step `step`
-    (0-based; "N+" = step N and every later one):
+    (0-based; "N+" = step N and every later one). It sits in the drafter loop, so `rank` is a drafter rank (or 0
+    when colocated); tests kill target ranks from outside, with a real kill -9.
       (no how)  raise after that step's micro-batches (a Python error: message and traceback)
       kill      SIGKILL there (no message, no cleanup: what a crash or the OOM killer does)
       nan       that step's loss becomes NaN on this rank (the caller poisons it when this returns True)
