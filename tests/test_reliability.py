@@ -70,28 +70,33 @@ def test_kill_9_names_rank_and_role_exits_fast_no_orphans(tiny_target, convs, tm
     rank = rng.choice([0, 1]) if role == "target" else 2
     kill_at = rng.randint(2, 6)  # optimizer steps already logged when the kill lands
     out = tmp_path / f"kill-{role}"
-    p = run_train(tiny_target, convs, out, 3, "--max_steps=400", *SPLIT, wait=False)
-    metrics = out / "r" / "metrics.jsonl"
-    t_start = time.time()
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= kill_at):
-        assert p.poll() is None, p.communicate()[1][-3000:]
-        assert time.time() - t_start < 120, "the job never reached the kill step"
-        time.sleep(0.05)
-    pid = p.pid if role == "launcher" else rank_pid(str(out), rank)
-    assert pid is not None
-    os.kill(pid, signal.SIGKILL)
-    t_kill = time.time()
-    _, err = p.communicate(timeout=120)
-    assert p.returncode != 0
-    if role == "launcher":  # nobody is left to print a summary; the ranks die with it (PR_SET_PDEATHSIG)
-        while procs_with(str(out)) and time.time() - t_kill < 10:
-            time.sleep(0.1)
-    else:
-        assert time.time() - t_kill < 60
-        root = err[err.index("Root Cause"):]
-        assert f"rank      : {rank} " in root and "SIGKILL" in root, root
-        assert f"rank {rank} ({role}) died without a Python error" in root, root
-    assert procs_with(str(out)) == [], "orphan processes"
+    p = run_train(tiny_target, convs, out, 3, "--max_steps=100000", *SPLIT, wait=False)
+    try:
+        metrics = out / "r" / "metrics.jsonl"
+        t_start = time.time()
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= kill_at):
+            assert p.poll() is None, p.communicate()[1][-3000:]
+            assert time.time() - t_start < 120, "the job never reached the kill step"
+            time.sleep(0.05)
+        pid = p.pid if role == "launcher" else rank_pid(str(out), rank)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        t_kill = time.time()
+        if role == "launcher":  # nobody is left to print a summary; the ranks must die with it (PR_SET_PDEATHSIG)
+            p.wait(timeout=60)
+            while procs_with(str(out)) and time.time() - t_kill < 10:
+                time.sleep(0.1)
+        else:
+            _, err = p.communicate(timeout=120)
+            assert time.time() - t_kill < 60
+            root = err[err.index("Root Cause"):]
+            assert f"rank      : {rank} " in root and "SIGKILL" in root, root
+            assert f"rank {rank} ({role}) died without a Python error" in root, root
+        assert p.returncode != 0
+        assert procs_with(str(out)) == [], "orphan processes"
+    finally:  # never leave a failed test's job running
+        for q in procs_with(str(out)):
+            os.kill(q, signal.SIGKILL)
 
 
 # -----------------------------------------------------------------------------
