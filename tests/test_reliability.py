@@ -373,8 +373,8 @@ def test_training_needs_no_network_and_writes_only_its_run_directory(tiny_target
     guard.mkdir()
     (guard / "sitecustomize.py").write_text(GUARD)
     env = {"PYTHONPATH": str(guard), "DFLASH_CACHE": str(tmp_path / "cache")}
-    probe = subprocess.run([sys.executable, "-c", "import urllib.request; urllib.request.urlopen('http://example.com')"],
-                           capture_output=True, text=True, env={**os.environ, **env})
+    fetch = "import urllib.request; urllib.request.urlopen('http://example.com')"
+    probe = subprocess.run([sys.executable, "-c", fetch], capture_output=True, text=True, env={**os.environ, **env})
     assert "network access attempted" in probe.stderr  # the guard is live in child processes
     out = tmp_path / "out"
     p, _ = run_train(tiny_target, convs, out, 1, "--max_steps=2", env=env)
