@@ -27,7 +27,7 @@ fi
 
 NGPU=${NGPU:-$("$PY" -c 'import torch; print(torch.cuda.device_count())')}
 OUT=${OUT:-out}
-RUN=${RUN:-demo}
+RUN=${RUN:-demo-$(date +%Y%m%d-%H%M%S)}  # a new run directory each time (train.py refuses to mix runs)
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 NNODES=${NNODES:-1}
