@@ -12,7 +12,7 @@ Query (block n, offset j) with anchor p sees
 
 Executors:
   - CUDA: compiled `flex_attention` with a BlockMask built straight from the sorted anchors (`dflash_block_mask`):
-    a few small tensor ops on [B, Q/128, KV/128] tiles, no dense Q x KV mask, no compiled create_block_mask, no sync.
+    a few small tensor ops on [B, Q/128, KV/128] tiles (one compiled graph), no dense Q x KV mask, no sync.
   - CPU: the same rule as a dense boolean mask fed to `scaled_dot_product_attention` (flex has no CPU backward).
 Both executors evaluate the same `dflash_mask_mod`, so they cannot disagree on the rule.
 
@@ -118,24 +118,31 @@ def block_tiles(anchors_BN, keep_BN, S_t, K, window, QT, KVT):
     return (*_tiles_to_ordered(any_BQT & ~full_BQT), *_tiles_to_ordered(full_BQT))
 
 
-# On CUDA the tile tables run compiled: a few fused kernels instead of ~40 small launches (7.7 -> 4.8 ms per step
-# for both layer types at 27B shapes, identical masks; BENCHMARKS.md). Dynamic shapes: one graph per window value,
-# whatever the sequence length.
-_block_tiles_compiled = torch.compile(block_tiles, dynamic=True)
+def _block_mask(anchors_BN, keep_BN, S_t, K, window, QT, KVT, Q, KV, mask_mod):
+    """Tile tables -> BlockMask; from_kv_blocks also derives the transposed (per KV tile) tables of the backward."""
+    tables = block_tiles(anchors_BN, keep_BN, S_t, K, window, QT, KVT)
+    return BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(Q, KV))
 
 
-def dflash_block_mask(anchors_BN, keep_BN, S, K, window=None, tiles_fn=None):
+# On CUDA the whole construction runs as one compiled graph: eager, it is ~60 small kernel launches whose host time
+# the GPU waits for at the start of every step (BENCHMARKS.md: eager vs compiled tile tables vs all compiled).
+# Dynamic shapes: one graph per window value, whatever the sequence length. The mask_mod closure is made outside
+# and passed in, as with a compiled create_block_mask.
+_block_mask_compiled = torch.compile(_block_mask, dynamic=True)
+
+
+def dflash_block_mask(anchors_BN, keep_BN, S, K, window=None, compiled=None):
     """Exact BlockMask for the DFlash rule, built from row intervals in O(B * Q) + O(B * QT * KVT): no dense
     Q x KV mask, no create_block_mask. Anchors need not be sorted for correctness; sorting them (sample_anchors
-    does) keeps each Q tile's visible context a short prefix, which is where the speed is."""
-    tiles_fn = tiles_fn or (_block_tiles_compiled if anchors_BN.is_cuda else block_tiles)
+    does) keeps each Q tile's visible context a short prefix, which is where the speed is.
+    compiled: default on CUDA tensors; True works on CPU too (tests compare both)."""
+    compiled = anchors_BN.is_cuda if compiled is None else compiled
     B, N = anchors_BN.shape
     Q, KV = N * K, S + N * K
     S_t = torch.as_tensor(S, device=anchors_BN.device)
-    kv_num, kv_idx, full_num, full_idx = tiles_fn(anchors_BN, keep_BN, S_t, K, window, -(-Q // TILE), -(-KV // TILE))
     mask_mod = dflash_mask_mod(anchors_BN, keep_BN, S_t, K, window)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=TILE,
-                                    mask_mod=mask_mod, seq_lengths=(Q, KV))
+    build = _block_mask_compiled if compiled else _block_mask
+    return build(anchors_BN, keep_BN, S_t, K, window, -(-Q // TILE), -(-KV // TILE), Q, KV, mask_mod)
 
 
 def build_masks(anchors_BN, keep_BN, S, K, layer_types, window, backend):
@@ -173,8 +180,9 @@ def compile_count():
 def attend(q_BHQd, k_BHkvd, v_BHkvd, mask):
     """Attention of block queries over [context; blocks] keys. GQA: H query heads share H/Hkv K/V heads.
     mask is a BlockMask (compiled flex, CUDA) or a dense bool [B,1,Q,KV] (SDPA, any device)."""
-    if isinstance(mask, BlockMask):
-        return _flex_compiled(q_BHQd, k_BHkvd, v_BHkvd, block_mask=mask, enable_gqa=True)
+    if isinstance(mask, BlockMask):  # inside a compiled layer: the plain op, traced into that graph
+        flex = flex_attention if torch.compiler.is_compiling() else _flex_compiled
+        return flex(q_BHQd, k_BHkvd, v_BHkvd, block_mask=mask, enable_gqa=True)
     # SDPA on a row with no allowed key returns NaN; let such rows see everything, then zero them
     row_ok = mask.any(-1, keepdim=True)  # [B,1,Q,1]
     out = F.scaled_dot_product_attention(q_BHQd, k_BHkvd, v_BHkvd, attn_mask=mask | ~row_ok, enable_gqa=True)

@@ -36,9 +36,11 @@ SMOLLM2_MASK_TOKEN_ID = 16  # `<empty_output>`: SmolLM2 has no free embedding ro
 CACHE_VERSION = 1  # bump when the tokenized format or the masking rule changes
 # demo corpus sizes (prompts, held-out prompts, answer cap, regeneration batch): the CPU one keeps
 # regeneration to ~2-3 minutes on 2 cores inside the ~10-minute CPU demo
+# (batch = records per resumable write; generate batches are cut under a padded-token budget, see _generate).
+# cuda: 3,000 prompts as the reference recipe (ANCHORS §6); 4 processes per GPU, since batched HF generate of a 135M
+# model is bound by Python and kernel launches, not by the GPU, so processes sharing one GPU overlap
 DEMO_PRESETS = {"cpu": dict(n_train=128, n_eval=32, max_new_tokens=128, batch_size=32),
-                "cuda": dict(n_train=4096, n_eval=256, max_new_tokens=256, batch_size=96)}  # 256 ran out of
-# memory on an H200: one long prompt, left-padded across the whole batch, asked for 127 GiB of attention
+                "cuda": dict(n_train=3000, n_eval=256, max_new_tokens=256, batch_size=512, procs_per_gpu=4)}
 
 
 def default_cache_dir():
@@ -553,8 +555,8 @@ def merge_parts(out_path, world):
 
 
 def _regen_worker(rank, world, model_path, in_path, out_path, device, kw):
-    if device == "cuda":
-        device = f"cuda:{rank}"
+    if device == "cuda":  # more workers than GPUs: they share the GPUs round-robin
+        device = f"cuda:{rank % torch.cuda.device_count()}"
     else:  # CPU workers share the cores instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     model, tok = load_target(model_path, device)
@@ -564,8 +566,8 @@ def _regen_worker(rank, world, model_path, in_path, out_path, device, kw):
 
 def regenerate_file(model_path, in_path, out_path, device="cpu", procs=None, **kw):
     """Regenerate in_path into out_path with `procs` worker processes (default: every visible GPU
-    with device="cuda", else 1), each loading the target on its own device and taking a disjoint
-    shard; then merge. Skips if out_path exists; reruns resume."""
+    with device="cuda", else 1), each loading the target on its device (worker r on GPU r % #GPUs)
+    and taking a disjoint shard; then merge. Skips if out_path exists; reruns resume."""
     if Path(out_path).exists():
         print(f"{out_path} exists, skipping regeneration")
         return Path(out_path)
@@ -631,7 +633,9 @@ def prepare_demo(cache_dir=None, n_train=None, n_eval=None, max_new_tokens=None,
         if not subsets[name].exists():
             subsets[name].write_text("".join(lines[:n]), encoding="utf-8")
     train = cache / f"chitchat_train_{n_train}_m{max_new_tokens}.jsonl"
-    regenerate_file(target, subsets["train"], train, device, batch_size=batch_size, max_new_tokens=max_new_tokens)
+    procs = preset["procs_per_gpu"] * max(1, torch.cuda.device_count()) if device == "cuda" else None
+    regenerate_file(target, subsets["train"], train, device, procs, batch_size=batch_size,
+                    max_new_tokens=max_new_tokens)
     # files are named by their sizes (a CPU and a GPU corpus can share a cache); fixed names point at
     # the latest build, for configs that want one path
     for link, dst in ((cache / "chitchat_train.jsonl", train), (cache / "chitchat_eval.jsonl", subsets["eval"])):

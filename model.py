@@ -16,7 +16,7 @@ Test: python -m pytest -q tests/test_model.py
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -166,6 +166,17 @@ class DecoderLayer(nn.Module):
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), cache_kv
 
+
+def _layer_call(layer, x, ctx, cos, sin, mask):
+    return layer(x, ctx, cos, sin, mask)
+
+
+# The training forward of a decoder layer, compiled on CUDA: eager, every RMSNorm (fp32 upcast), RoPE, SwiGLU and
+# residual is its own pass over a [B, N*K, D] tensor, in forward and again in backward; inductor fuses them into
+# the matmul epilogues and a few kernels (BENCHMARKS.md: before/after). The layer is an argument, so the layers
+# of one type share one graph (their weights are graph inputs): one graph per layer type, plus one more each once
+# the sequence length turns dynamic. Flex attention is traced inside the same graph.
+_layer_compiled = torch.compile(_layer_call)
 
 # -----------------------------------------------------------------------------
 # config: exactly what the released config.json holds (DFLASH_SPEC §1.6)
@@ -339,6 +350,7 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             layer.self_attn.inv_freq = self.inv_freq
         self.apply(self._init_weights)
+        self.compile_layers = True  # run-time switch, not a checkpoint field (bench.py measures both)
 
     def _init_weights(self, m):  # HF Qwen3PreTrainedModel init: N(0, 0.02) linears, norms at 1
         if isinstance(m, nn.Linear):
@@ -358,14 +370,16 @@ class DFlashDrafter(nn.Module):
     def forward(self, x_BQD, target_hidden_BSC, pos_blk_BQ, masks):
         """Training forward over all blocks. x: embedded block tokens; target_hidden: concatenated target-layer
         states for the S context positions; pos_blk: absolute positions of the block tokens (anchor+k);
-        masks: {layer_type: BlockMask or dense bool} from attention.build_masks. Returns normed hidden [B,Q,D]."""
+        masks: {layer_type: BlockMask or dense bool} from attention.build_masks. Returns normed hidden [B,Q,D].
+        On CUDA (compile_layers, the default) each decoder layer runs compiled, flex attention inside it."""
         B, S = target_hidden_BSC.shape[:2]
         ctx = self.hidden_norm(self.fc(target_hidden_BSC))  # computed once, shared by every layer (spec §1.1)
         pos = torch.cat([torch.arange(S, device=x_BQD.device).expand(B, S), pos_blk_BQ], dim=1)  # [B, S+Q]
         cos, sin = rope_cos_sin(pos, self.inv_freq, x_BQD.dtype)
+        run = _layer_compiled if self.compile_layers and x_BQD.is_cuda else _layer_call
         h = x_BQD
         for layer in self.layers:
-            h = layer(h, ctx, cos, sin, masks[layer.layer_type])
+            h = run(layer, h, ctx, cos, sin, masks[layer.layer_type])
         return self.norm(h)
 
     def forward_cached(self, x_BKD, new_hidden_BTC, cache, start):

@@ -53,7 +53,7 @@ class Config:
     grad_accum: int = 1  # micro-batches per drafter rank per optimizer step
     num_anchors: int = 512  # blocks per sequence (padded with invalid blocks: fixed shapes)
     gamma: float = 7.0  # loss decay over block offsets, exp(-(k-1)/gamma)
-    loss_chunk: int = 64  # blocks per lm_head+CE chunk (recomputed in backward)
+    loss_chunk: int = 64  # blocks per lm_head+CE chunk (0 = one sequence's blocks); the logits exist per chunk only
     skip_invalid: bool = False  # skip (and count) broken records instead of stopping at the first
     pad_multiple: int = 128  # sequence length bucket, tokens (fewer distinct shapes, no recompiles)
     # optim
@@ -72,6 +72,7 @@ class Config:
     target_shard: str = "fsdp"  # fsdp | replicate (a full target copy per target rank)
     dtype: str = "bfloat16"  # bfloat16 (fp32 master weights and optimizer state) | float32
     device: str = "auto"  # auto | cuda | cpu
+    compile: bool = True  # CUDA: compile each drafter layer (flex attention inside); False = eager layers, flex compiled
     prefetch: int = 2  # micro-batches a target rank may have in flight to its drafters
     transport_timeout: int = 900  # seconds before a blocked collective or transfer fails the job
     # logging
@@ -95,7 +96,8 @@ PRESETS = {
     # the same demo on GPUs: a 5-layer drafter, responses of up to 256 tokens, every response position anchored
     "demo_gpu": dict(target="{cache}/smollm2-135m-instruct", data="{cache}/chitchat_train.jsonl",
                      mask_token="<empty_output>", drafter_layers=5, target_features=5, sliding_layers=0,
-                     max_length=512, batch_size=16, num_anchors=256, lr=6e-4, warmup_ratio=0.04, epochs=8.0,
+                     max_length=512, batch_size=16, num_anchors=256, loss_chunk=0, lr=6e-4, warmup_ratio=0.04,
+                     epochs=12.6,  # = the reference recipe's 2,364 steps of 16 on 3,000 responses (ANCHORS §6)
                      target_ranks=1, drafter_ranks=1, log_every=50, ckpt_every=1000, pad_multiple=64),
 }
 
@@ -923,6 +925,7 @@ def train(cfg, d, target_config, tokenizer):
     torch.manual_seed(cfg.seed)  # identical init on every drafter rank
     drafter = load_drafter(cfg.init_drafter) if cfg.init_drafter else DFlashDrafter(dcfg)
     drafter = drafter.to(d.device, dtype)
+    drafter.compile_layers = cfg.compile
     embed, head = load_frozen_tables(cfg.target, dtype, d.device)
     optim = Optimizer(cfg, drafter, d)
     if state:
@@ -944,7 +947,7 @@ def train(cfg, d, target_config, tokenizer):
         with open(metrics + ".tmp", "w") as f:
             f.writelines(rows)
         os.replace(metrics + ".tmp", metrics)
-    acc, t_log, warm_graphs, gnorm_ok = None, time.perf_counter(), None, float("nan")
+    acc, t_log, warm_graphs, gnorm_ok, lengths = None, time.perf_counter(), None, float("nan"), set()
     # non-finite steps: skipped in total (kept across resumes) and in a row; checkpoints are written only outside a
     # bad streak, so the newest checkpoint is the last good one and keep_ckpts never prunes it away
     bad_steps, streak, last_good = (state.get("bad_steps", 0) if state else 0), 0, resume
@@ -1001,8 +1004,9 @@ def train(cfg, d, target_config, tokenizer):
                     f"{done}, none applied; max_bad_steps={cfg.max_bad_steps}). Last good checkpoint: "
                     f"{last_good or 'none (no checkpoint written yet)'}; after a fix (lower lr, check the data) "
                     f"continue with --resume={last_good or 'auto'}")
-        if warm_graphs is None and done - start >= 2:  # compile warm-up is over after two steps
-            warm_graphs = compile_count()
+        lengths.add(batch["input_ids"].shape[1])
+        if warm_graphs is None and done - start >= 2 and len(lengths) >= 2:  # compile warm-up is over once two
+            warm_graphs = compile_count()  # lengths were seen: compiled code is then dynamic in the length
         if d.leader and (done % cfg.log_every == 0 or done == total):
             if acc is not None:  # (an interval of skipped steps only has nothing to average: its lines say it)
                 log_line(cfg, d, run_dir, done, total, acc, gnorm_ok, lr, time.perf_counter() - t_log, K,

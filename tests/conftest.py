@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def tiny_target(tmp_path_factory):
     """Random 6-layer Qwen3 (hidden 64, untied head) saved as an HF folder with the SmolLM2 tokenizer."""
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-    smol = data.convert_gguf(data.smollm2_gguf(), data.default_cache_dir() / "smollm2-135m-instruct")
+    smol = data.default_cache_dir() / "smollm2-135m-instruct"  # only its tokenizer is used
+    if not (smol / "tokenizer.json").exists():
+        smol = data.convert_gguf(data.smollm2_gguf(), smol)
     out = tmp_path_factory.mktemp("tiny_target")
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6,

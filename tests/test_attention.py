@@ -147,3 +147,23 @@ def test_compiled_flex_no_recompile_after_warmup_cpu():
     for S in (512, 640, 256, 896):
         step(S)
     assert compile_count() == warm
+
+
+def test_compiled_block_mask_equals_eager_no_recompiles():
+    """The compiled BlockMask construction (CUDA's default; also runs on CPU) gives the same tables, forward and
+    transposed, as the eager one, for both layer types and new lengths; after two lengths nothing recompiles."""
+    configure_compile()
+    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+             "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+    warm = None
+    for i, S in enumerate((300, 430, 700, 513, 1000)):
+        anchors, keep = random_case(B=2, S=S, N=24, K=16, seed=S)
+        for window in (None, 200):
+            a, b = (dflash_block_mask(anchors, keep, S, 16, window, compiled=c) for c in (False, True))
+            assert tuple(b.seq_lengths) == a.seq_lengths == (24 * 16, S + 24 * 16)
+            for n in names:
+                assert torch.equal(getattr(a, n), getattr(b, n)), (S, window, n)
+            assert torch.equal(b.to_dense(), tiles(reference_mask(anchors, keep, S, 16, window), "any").int())
+        if i == 1:
+            warm = compile_count()
+    assert compile_count() == warm

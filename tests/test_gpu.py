@@ -1,10 +1,14 @@
 """CUDA-only checks of the compiled flex path (skipped without a GPU; run on the GPU machine:
 python -m pytest -q tests/test_gpu.py). The CPU suite covers the same rule through SDPA and eager flex."""
 
+import json
+import math
+
 import pytest
 import torch
 
-from attention import attend, build_masks, compile_count, configure_compile, dense_mask, dflash_block_mask
+from conftest import run_train
+from attention import attend, compile_count, configure_compile, dense_mask, dflash_block_mask
 from model import DFlashDrafter, DrafterConfig, dflash_loss, sample_anchors
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -75,3 +79,17 @@ def test_flex_loss_equals_sdpa_loss_and_no_recompiles():
     for S in (768, 1024, 896, 512):
         run(S, "flex")
     assert compile_count() == warm
+
+
+@cuda
+def test_train_colocated_cuda_compiled_layers(tiny_target, convs, tmp_path):
+    """train.py on one GPU, bf16, compiled drafter layers with flex inside: it runs, the loss is finite and falls,
+    and after warm-up no step compiles anything (the log line would say RECOMPILES=)."""
+    p, _ = run_train(tiny_target, convs, tmp_path, 1, "--device=cuda", "--dtype=bfloat16", "--max_steps=12",
+                     "--max_length=96", "--num_anchors=16", "--batch_size=2", "--pad_multiple=16", timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(x) for x in open(tmp_path / "r" / "metrics.jsonl")]
+    assert len(rows) == 12 and all(math.isfinite(r["loss"]) for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert all(r["recompiles"] == 0 for r in rows), [r["recompiles"] for r in rows]
+    assert "RECOMPILES" not in p.stdout
