@@ -593,11 +593,11 @@ def write_chitchat(cache):
     and chitchat_prompts_{train,eval}.jsonl (first user turn). A record goes to eval iff
     sha256(uuid) % 10 == 0: a fixed ~10% held-out split. Each split is ordered by that hash, so the
     first n prompts are a stable random subset and a larger n extends a smaller one."""
-    import chitchat_dataset
     cache = Path(cache)
     files = [cache / f"chitchat_{n}.jsonl" for n in ("full", "prompts_train", "prompts_eval")]
     if all(f.exists() for f in files):
         return files
+    import chitchat_dataset
     cache.mkdir(parents=True, exist_ok=True)
     full, splits = [], ([], [])
     for uuid, conv in sorted(chitchat_dataset.Dataset().items(), key=lambda kv: _stable_hash(kv[0])):

@@ -12,16 +12,19 @@ near-tie argmaxes (issue #9: 238 of 16,368 positions on SmolLM2), so there each 
 fp32 logit gap instead.
 
   python eval.py --target DIR --drafter CKPT --data prompts.jsonl [--max-new-tokens 256 --temperature 0
-                 --block-size 16 --limit 32 --device cuda --dtype bfloat16 --out out/eval]
+                 --block-size 16 --limit 32 --device cuda --dtype bfloat16 --out out/eval --workers 8]
   python -m pytest -q tests/test_eval.py
 
 Writes <out>/eval.json (tau, histogram, per-position acceptance, tokens/s, speedup, divergences, config) and
 <out>/eval.png, prints one line. From Python (the trainer): evaluate(target, tokenizer, drafter, prompts) -> dict.
+--workers N runs N processes on the one device, each loading its own target + drafter and taking every N-th prompt
+(evaluate_parallel): the same results, faster, since batch-1 decoding leaves the GPU idle between kernel launches.
 """
 import argparse
 import copy
 import json
 import os
+import tempfile
 import time
 
 import torch
@@ -154,14 +157,17 @@ def _clock(device):
 
 
 def evaluate(target, tokenizer, drafter, prompts, max_new_tokens=256, temperature=0.0, block_size=None,
-             check_lossless=True, eos_ids=None, seed=0, warmup=True):
+             check_lossless=True, eos_ids=None, seed=0, warmup=True, indices=None):
     """Speculative decoding over `prompts` (chat message lists, or token-id lists) -> results dict.
     check_lossless: also run plain target decoding, for the speedup and, at temperature 0, the token-for-token
     check (fp32: LosslessError; other dtypes: divergences with fp32 logit gaps). block_size: default the drafter's;
-    smaller serves well (a b16 drafter at b8), larger is allowed but was not trained for (spec §8.15)."""
+    smaller serves well (a b16 drafter at b8), larger is allowed but was not trained for (spec §8.15).
+    indices: each prompt's global index (default 0, 1, ...). It seeds the prompt's sampler and names the prompt in
+    divergences and errors, so a worker given prompts k::N decodes them exactly as one process would."""
     K = block_size or (drafter.cfg.block_size if drafter is not None else 1)
     eos = set(eos_ids) if eos_ids is not None else stop_ids(tokenizer, target)
     prompts = [p if p and isinstance(p[0], int) else render(tokenizer, p) for p in prompts]
+    indices = list(range(len(prompts)) if indices is None else indices)
     dev, dtype = target.device, next(target.parameters()).dtype
     gen = lambda i: torch.Generator(device=dev).manual_seed(seed + i)  # per prompt: order-independent samples
     if warmup:  # first calls pay allocator/kernel set-up; keep them off the clock
@@ -171,7 +177,7 @@ def evaluate(target, tokenizer, drafter, prompts, max_new_tokens=256, temperatur
     t_spec = t_plain = 0.0
     n_spec = n_plain = 0
     hist, acc_k, seen_k = [0] * K, [0] * K, [0] * K
-    for i, p in enumerate(prompts):
+    for i, p in zip(indices, prompts):
         t0 = _clock(dev)
         out, committed, accepted, verified = spec_decode(target, drafter, p, max_new_tokens, K, eos, temperature,
                                                          gen(i))
@@ -204,27 +210,92 @@ def evaluate(target, tokenizer, drafter, prompts, max_new_tokens=256, temperatur
             raise LosslessError(f"not lossless: prompt {i}, new token {j}: speculative {out[j]} vs greedy {base[j]}"
                                 f" (fp32 top-1 {d['fp32_top1']}, gaps {d['gap_spec']:.3g} / {d['gap_plain']:.3g})")
         divergences.append(d)
-    cycles = sum(hist)
-    checked = check_lossless and temperature == 0
+    config = dict(block_size=K, drafter_block_size=drafter.cfg.block_size if drafter is not None else None,
+                  max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, prompts=len(prompts),
+                  dtype=str(dtype).removeprefix("torch."), device=str(dev), eos=sorted(eos),
+                  target_layer_ids=drafter.cfg.target_layer_ids if drafter is not None else None,
+                  mask_token_id=drafter.cfg.mask_token_id if drafter is not None else None)
+    return _results(per_prompt, hist, acc_k[1:], seen_k[1:], n_spec, t_spec, n_plain, t_plain, divergences,
+                    check_lossless and temperature == 0, config)
+
+
+def _results(per_prompt, hist, acc, seen, n_spec, t_spec, n_plain, t_plain, divergences, checked, config):
+    """Raw counts -> the results dict. evaluate() and _merge() both build it here, so the figures merged from N
+    workers' counts are computed exactly as one process computes them."""
     spec_tps = n_spec / t_spec
-    plain_tps = n_plain / t_plain if check_lossless else None
+    plain_tps = n_plain / t_plain if t_plain else None  # no baseline: no time spent on it
     return dict(
         # tau: the authors' "Average Acceptance length" (per-prompt mean, then mean over prompts);
         # tau_pooled: committed tokens / verify cycles over all prompts (long answers weigh more)
         tau=sum(r["tau"] for r in per_prompt) / len(per_prompt),
-        tau_pooled=sum(sum(r["committed"]) for r in per_prompt) / max(cycles, 1),
-        cycles=cycles, new_tokens=n_spec,
+        tau_pooled=sum(sum(r["committed"]) for r in per_prompt) / max(sum(hist), 1),
+        cycles=sum(hist), new_tokens=n_spec,
         accept_hist=hist,  # accept_hist[L-1] = cycles that committed L tokens (cut at EOS/limit, as the reference)
-        pos_accept=[acc_k[j] / max(seen_k[j], 1) for j in range(1, K)],  # P(draft at offset j accepted), j=1..K-1
+        pos_accept=[a / max(s, 1) for a, s in zip(acc, seen)],  # P(draft at offset j accepted), j=1..K-1
+        pos_accept_counts=acc, pos_seen_counts=seen,  # the raw counts behind pos_accept, for merging
         spec_tok_s=spec_tps, plain_tok_s=plain_tps, speedup=spec_tps / plain_tps if plain_tps else None,
+        spec_s=t_spec, plain_s=t_plain, plain_tokens=n_plain,
         lossless=(not divergences) if checked else None, divergences=divergences,
-        config=dict(block_size=K, drafter_block_size=drafter.cfg.block_size if drafter is not None else None,
-                    max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, prompts=len(prompts),
-                    dtype=str(dtype).removeprefix("torch."), device=str(dev), eos=sorted(eos),
-                    target_layer_ids=drafter.cfg.target_layer_ids if drafter is not None else None,
-                    mask_token_id=drafter.cfg.mask_token_id if drafter is not None else None),
+        config=config,
         per_prompt=per_prompt,
     )
+
+
+def _merge(parts):
+    """Results of N workers, worker k having decoded prompts k, k+N, ... -> one results dict, in prompt order."""
+    n, total = len(parts), sum(len(r["per_prompt"]) for r in parts)
+    add = lambda key: [sum(x) for x in zip(*(r[key] for r in parts))]  # element-wise over workers
+    tot = lambda key: sum(r[key] for r in parts)
+    return _results([parts[i % n]["per_prompt"][i // n] for i in range(total)], add("accept_hist"),
+                    add("pos_accept_counts"), add("pos_seen_counts"), tot("new_tokens"), tot("spec_s"),
+                    tot("plain_tokens"), tot("plain_s"),
+                    sorted((d for r in parts for d in r["divergences"]), key=lambda d: d["prompt"]),
+                    parts[0]["lossless"] is not None, dict(parts[0]["config"], prompts=total, workers=n))
+
+
+def _worker(k, n, target_path, drafter_path, prompts, device, dtype, kw, out_dir):
+    """Worker k of n: load its own target and drafter, decode prompts k::n, write its results to out_dir/k.json."""
+    from data import load_target
+    from model import load_drafter
+    if torch.device(device).type == "cpu":  # share the cores instead of oversubscribing them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
+    target, tok = load_target(target_path, device, dtype)
+    drafter = load_drafter(drafter_path, device, next(target.parameters()).dtype) if drafter_path else None
+    t0 = time.time()  # wall clock, comparable across processes: the decoding phase spans all workers' intervals
+    res = evaluate(target, tok, drafter, prompts[k::n], indices=range(k, len(prompts), n), **kw)
+    with open(os.path.join(out_dir, f"{k}.json"), "w") as f:
+        json.dump(dict(res=res, t=[t0, time.time()]), f)
+
+
+def evaluate_parallel(target_path, drafter_path, prompts, workers, device="cpu", dtype=None, **kw):
+    """evaluate() split over `workers` processes on one device (batch-1 decoding of a small target is launch-bound:
+    one process leaves the GPU mostly idle). Worker k loads its own target and drafter (drafter_path None: block 1
+    only) and takes prompts k, k+N, ... (long and short ones spread); kw go to evaluate(). Tau, histograms, per-prompt
+    results, divergences and losslessness equal a one-process run's exactly, greedy or sampled (seeds follow the
+    global prompt index). Speeds: spec_tok_s / plain_tok_s pool each worker's own tokens and seconds, i.e. the speed
+    of one stream, measured under contention (N processes share the GPU and the CPU), so the clean speedup is the
+    one-process one; aggregate_spec_tok_s = all speculative tokens / wall time of the decoding phase (the plain
+    baseline runs in it too, unless check_lossless=False); wall_s includes process start-up and loading.
+    A failing worker (a LosslessError included, which keeps its type) fails the whole call, never a partial result."""
+    n, t0 = min(workers, len(prompts)), time.time()
+    if str(target_path).endswith(".gguf"):  # convert once, here: N workers converting into one folder would race
+        from data import convert_gguf, default_cache_dir
+        name = os.path.basename(target_path).split(".")[0].lower()  # the folder load_target would convert into
+        target_path = convert_gguf(target_path, default_cache_dir() / name)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:  # spawn, not fork: CUDA does not survive a fork. join=True raises once a worker fails, ending the rest
+            torch.multiprocessing.spawn(_worker, args=(n, target_path, drafter_path, prompts, device, dtype, kw, tmp),
+                                        nprocs=n)
+        except torch.multiprocessing.ProcessRaisedException as e:  # the worker's exception arrives as its traceback
+            raise (LosslessError if "LosslessError: " in str(e) else RuntimeError)(str(e).strip()) from None
+        parts = []
+        for k in range(n):
+            with open(os.path.join(tmp, f"{k}.json")) as f:
+                parts.append(json.load(f))
+    res = _merge([p["res"] for p in parts])
+    phase = max(p["t"][1] for p in parts) - min(p["t"][0] for p in parts)
+    res.update(wall_s=time.time() - t0, aggregate_spec_tok_s=res["new_tokens"] / phase)
+    return res
 
 
 def summary(res):
@@ -233,7 +304,10 @@ def summary(res):
          f"cycles={res['cycles']} spec={res['spec_tok_s']:.1f} tok/s")
     if res["speedup"] is not None:
         s += f" greedy={res['plain_tok_s']:.1f} tok/s speedup={res['speedup']:.2f}x"
-    return s + f" lossless={res['lossless']} divergences={len(res['divergences'])} dtype={c['dtype']}"
+    s += f" lossless={res['lossless']} divergences={len(res['divergences'])} dtype={c['dtype']}"
+    if c.get("workers", 1) > 1:
+        s += f" workers={c['workers']} (aggregate spec {res['aggregate_spec_tok_s']:.1f} tok/s)"
+    return s
 
 
 def write_results(res, out_dir):
@@ -279,17 +353,27 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup, no lossless check)")
     p.add_argument("--out", default="out/eval")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes sharing the device, worker k taking prompts k, k+N, ... (tok/s then per stream)")
     a = p.parse_args(argv)
-    from data import load_target
-    from model import load_drafter
-    target, tok = load_target(a.target, a.device, getattr(torch, a.dtype) if a.dtype else None)
-    dtype = next(target.parameters()).dtype
-    drafter = load_drafter(a.drafter, a.device, dtype) if a.drafter else None
-    if drafter is None and (a.block_size or 1) != 1:
+    if a.drafter is None and (a.block_size or 1) != 1:
         p.error("--block-size > 1 needs --drafter")
-    res = evaluate(target, tok, drafter, read_prompts(a.data, a.limit), a.max_new_tokens, a.temperature,
-                   a.block_size or (drafter.cfg.block_size if drafter else 1), not a.no_baseline, seed=a.seed)
+    if a.workers < 1:
+        p.error("--workers must be >= 1")
+    prompts = read_prompts(a.data, a.limit)
+    dtype = getattr(torch, a.dtype) if a.dtype else None
+    kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, block_size=a.block_size,
+              check_lossless=not a.no_baseline, seed=a.seed)
+    if a.workers > 1:
+        res = evaluate_parallel(a.target, a.drafter, prompts, a.workers, a.device, dtype, **kw)
+    else:
+        from data import load_target
+        from model import load_drafter
+        target, tok = load_target(a.target, a.device, dtype)
+        drafter = load_drafter(a.drafter, a.device, next(target.parameters()).dtype) if a.drafter else None
+        res = evaluate(target, tok, drafter, prompts, **kw)
     res["config"].update(target=str(a.target), drafter=a.drafter, data=a.data)
+    res["config"].setdefault("workers", 1)
     write_results(res, a.out)
     print(summary(res))
     return res

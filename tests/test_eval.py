@@ -3,6 +3,7 @@ its JSON + PNG. Tiny random targets built from configs (no hub), CPU, fp32 unles
 
 import copy
 import json
+import time
 
 import pytest
 import torch
@@ -264,3 +265,98 @@ def test_cli_loads_checkpoint_writes_json_and_png(tmp_path, llama):
     ref = ev.evaluate(target, tok, drafter, [c[:1] for c in convs[:1]] + [convs[1]], 24, block_size=8,
                       warmup=False)
     assert [r["committed"] for r in saved["per_prompt"]] == [r["committed"] for r in ref["per_prompt"]]
+
+
+# -----------------------------------------------------------------------------
+# --workers: prompts split over processes, merged into one run's results
+
+EXACT = ("tau", "tau_pooled", "cycles", "new_tokens", "accept_hist", "pos_accept", "pos_accept_counts",
+         "pos_seen_counts", "plain_tokens", "lossless", "divergences", "per_prompt")  # all but speeds and config
+
+
+@pytest.mark.parametrize("dtype,temperature", [(torch.bfloat16, 0.0), (torch.float32, 1.0)],
+                         ids=["bf16-greedy", "fp32-sampled"])
+def test_split_prompts_merge_to_one_run(monkeypatch, llama, dtype, temperature):
+    """Prompts k::3 decoded by three evaluate() calls given their global indices, then merged: exactly one call's
+    results. Sampled: the seeds follow the global index. bf16 with a divergence forced into every prompt: the
+    divergences keep their global prompt index, in prompt order."""
+    target, drafter = (copy.deepcopy(m).to(dtype) for m in llama)
+    plain = ev.plain_decode
+
+    def off_by_one(target_, p, *a, **kw):
+        g = plain(target_, p, *a, **kw)
+        return g[:5] + [(g[5] + 1) % V] + g[6:]
+
+    monkeypatch.setattr(ev, "plain_decode", off_by_one)
+    ps = prompts()
+    kw = dict(max_new_tokens=24, temperature=temperature, block_size=4, eos_ids=[EOS], seed=3, warmup=False)
+    one = ev.evaluate(target, None, drafter, ps, **kw)
+    parts = [ev.evaluate(target, None, drafter, ps[k::3], indices=range(k, 4, 3), **kw) for k in range(3)]
+    merged = ev._merge(parts)
+    for key in EXACT:
+        assert merged[key] == one[key], key
+    assert merged["config"] == dict(one["config"], workers=3)
+    if temperature == 0:
+        assert [d["prompt"] for d in merged["divergences"]] == [0, 1, 2, 3] and merged["lossless"] is False
+    else:  # the seeds matter: a worker numbering its prompts from 0 would decode prompt 3 as prompt 0 of its share
+        assert ev.evaluate(target, None, drafter, ps[3:], **kw)["per_prompt"] != one["per_prompt"][3:]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, llama):
+    """The llama fixture on disk as the CLI and the workers load it (target + tokenizer, fp32 drafter), and five
+    prompts of varied lengths."""
+    target, drafter = llama
+    d = tmp_path_factory.mktemp("saved")
+    target.save_pretrained(d / "target")
+    tiny_tokenizer().save_pretrained(d / "target")
+    save_drafter(drafter, d / "drafter", dtype=None)
+    words = [" ".join(f"w{7 + (13 * i + 5 * j) % (V - 7)}" for j in range(n)) for i, n in enumerate((2, 9, 1, 20, 5))]
+    (d / "prompts.jsonl").write_text("".join(json.dumps({"messages": [{"role": "user", "content": w}]}) + "\n"
+                                             for w in words))
+    return d
+
+
+@pytest.mark.parametrize("temperature", ["0", "1.0"])
+def test_cli_workers_match_one_process(saved, llama, tmp_path, capsys, temperature):
+    """--workers 2: two spawned workers, each loading the checkpoints and rendering its prompts itself, give
+    exactly the results of one in-process evaluate(), greedy and sampled (seeded)."""
+    target, drafter = llama
+    par = ev.main(["--target", str(saved / "target"), "--drafter", str(saved / "drafter"), "--data",
+                   str(saved / "prompts.jsonl"), "--max-new-tokens", "24", "--block-size", "4", "--device", "cpu",
+                   "--temperature", temperature, "--seed", "3", "--workers", "2", "--out", str(tmp_path)])
+    one = ev.evaluate(target, tiny_tokenizer(), drafter, ev.read_prompts(saved / "prompts.jsonl"), 24,
+                      float(temperature), 4, seed=3)
+    for key in EXACT:
+        assert par[key] == one[key], key
+    assert par["lossless"] is (True if temperature == "0" else None) and len(par["per_prompt"]) == 5
+    assert par["config"]["workers"] == 2 and par["config"]["prompts"] == 5
+    assert par["spec_tok_s"] > 0 and par["aggregate_spec_tok_s"] > 0 and par["wall_s"] > 0
+    assert json.loads((tmp_path / "eval.json").read_text())["per_prompt"] == one["per_prompt"]
+    assert "workers=2" in capsys.readouterr().out
+
+
+def test_worker_lossless_error_fails_the_run(saved, tmp_path):
+    """A target that is really not lossless under speculative decoding: dynamic NTK RoPE rescales its frequencies
+    with the longest position of each forward, so a 4-token verify and 1-token decoding disagree once past 32
+    positions. Prompt 1 (worker 1) gets there, prompt 0 (worker 0) does not: the whole call raises worker 1's
+    LosslessError, naming the global prompt index."""
+    target = tiny_target()
+    target.config.rope_parameters = dict(rope_type="dynamic", factor=8.0, rope_theta=10000.0)
+    target.config.max_position_embeddings = 32  # the weights are the same; the rotary embedding is built on load
+    target.save_pretrained(tmp_path / "target")
+    tiny_tokenizer().save_pretrained(tmp_path / "target")
+    ps = [prompts()[0], prompts()[3]]  # 3 + 24 positions stay under 32, 30 + 24 do not
+    with pytest.raises(ev.LosslessError, match="not lossless: prompt 1, new token"):
+        ev.evaluate_parallel(tmp_path / "target", saved / "drafter", ps, 2, "cpu", max_new_tokens=24, block_size=4,
+                             eos_ids=[EOS])
+
+
+def test_dead_worker_fails_fast(saved):
+    """One worker raises (a token id outside the vocabulary), the other is fine: the call raises with the worker's
+    error instead of waiting for, or merging, a result that never comes."""
+    ps = prompts(3) + [[7, V + 5]]  # prompt 3 -> worker 1
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="IndexError"):
+        ev.evaluate_parallel(saved / "target", saved / "drafter", ps, 2, "cpu", max_new_tokens=8, eos_ids=[EOS])
+    assert time.perf_counter() - t0 < 60
