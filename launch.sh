@@ -45,7 +45,8 @@ if [ "$NGPU" -ge 8 ] || [ "$NNODES" -gt 1 ]; then
 fi
 if [ "$NGPU" -ge 1 ]; then
   DEV=cuda; PRESET=demo_gpu; NPROC=$NGPU; SPLIT="--target_ranks=1 --drafter_ranks=$((NGPU > 1 ? NGPU - 1 : 1))"
-  EVAL="--limit 64 --max-new-tokens 256"
+  # batch-1 decoding of a 135M target is launch-bound: prompts go to several processes on the GPU (eval.py --workers)
+  EVAL="--limit 64 --max-new-tokens 256 --workers $(( $(nproc) / 2 > 8 ? 8 : ($(nproc) / 2 > 0 ? $(nproc) / 2 : 1) ))"
 else
   DEV=cpu; PRESET=demo; NPROC=3; SPLIT="--target_ranks=2 --drafter_ranks=1"
   EVAL="--limit 8 --max-new-tokens 48"
