@@ -37,7 +37,7 @@ CACHE_VERSION = 1  # bump when the tokenized format or the masking rule changes
 # demo corpus sizes (prompts, held-out prompts, answer cap, regeneration batch): the CPU one keeps
 # regeneration to ~2-3 minutes on 2 cores inside the ~10-minute CPU demo
 # (batch = records per resumable write; generate batches are cut under a padded-token budget, see _generate).
-# cuda: 3,000 prompts as the reference recipe (ANCHORS §6); 4 processes per GPU, since batched HF generate of a 135M
+# cuda: 3,000 distinct prompts, as many as the reference recipe's (ANCHORS §6); 4 processes per GPU, since batched HF generate of a 135M
 # model is bound by Python and kernel launches, not by the GPU, so processes sharing one GPU overlap
 DEMO_PRESETS = {"cpu": dict(n_train=128, n_eval=32, max_new_tokens=128, batch_size=32),
                 "cuda": dict(n_train=3000, n_eval=256, max_new_tokens=256, batch_size=512, procs_per_gpu=4)}
@@ -611,6 +611,29 @@ def write_chitchat(cache):
     return files
 
 
+def _prompt_key(line):
+    """A prompt's identity for de-duplication: its first user turn, case and whitespace folded."""
+    return " ".join(json.loads(line)["messages"][0]["content"].lower().split())
+
+
+def unique_prompts(lines, n, exclude=frozenset()):
+    """The first n JSONL prompt lines whose _prompt_key is new and not in `exclude`.
+    -> (kept lines, repeats skipped, excluded skipped), counted up to the n-th kept line."""
+    kept, seen, dup, excluded = [], set(), 0, 0
+    for line in lines:
+        if len(kept) == n:
+            break
+        key = _prompt_key(line)
+        if key in exclude:
+            excluded += 1
+        elif key in seen:
+            dup += 1
+        else:
+            seen.add(key)
+            kept.append(line)
+    return kept, dup, excluded
+
+
 def prepare_demo(cache_dir=None, n_train=None, n_eval=None, max_new_tokens=None, device="cpu", batch_size=None,
                  gguf=None):
     """Build (or find) the demo corpus; every stage is skipped if its output exists. Sizes left None
@@ -625,14 +648,23 @@ def prepare_demo(cache_dir=None, n_train=None, n_eval=None, max_new_tokens=None,
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     target = convert_gguf(gguf or smollm2_gguf(), cache / "smollm2-135m-instruct")
     _, train_prompts, eval_prompts = write_chitchat(cache)
+    # distinct prompts only: chitchat repeats greetings ("hello?" is 224 of the first 3,000 train prompts), and greedy
+    # answers to a repeated prompt repeat too. Held-out prompts are also never the text of any train prompt: the
+    # split is by conversation, so without this 41% of the first 128 held-out prompts were seen in training.
+    train_lines = train_prompts.read_text(encoding="utf-8").splitlines(keepends=True)
+    seen_in_train = {_prompt_key(x) for x in train_lines}
     subsets = {}
-    for name, src, n in (("train", train_prompts, n_train), ("eval", eval_prompts, n_eval)):
-        subsets[name] = cache / f"chitchat_prompts_{name}_{n}.jsonl"
-        lines = src.read_text(encoding="utf-8").splitlines(keepends=True)
-        assert n <= len(lines), f"only {len(lines)} {name} prompts"
+    for name, lines, n, exclude in (("train", train_lines, n_train, set()),
+                                    ("eval", eval_prompts.read_text(encoding="utf-8").splitlines(keepends=True),
+                                     n_eval, seen_in_train)):
+        subsets[name] = cache / f"chitchat_prompts_{name}_u{n}.jsonl"
         if not subsets[name].exists():
-            subsets[name].write_text("".join(lines[:n]), encoding="utf-8")
-    train = cache / f"chitchat_train_{n_train}_m{max_new_tokens}.jsonl"
+            kept, dup, excluded = unique_prompts(lines, n, exclude)
+            assert len(kept) == n, f"only {len(kept)} distinct {name} prompts, {n} asked"
+            print(f"demo {name} prompts: {n} distinct, taken in split order; skipped {dup} repeats"
+                  + (f" and {excluded} whose text is a train prompt" if exclude else ""))
+            subsets[name].write_text("".join(kept), encoding="utf-8")
+    train = cache / f"chitchat_train_u{n_train}_m{max_new_tokens}.jsonl"
     procs = preset["procs_per_gpu"] * max(1, torch.cuda.device_count()) if device == "cuda" else None
     regenerate_file(target, subsets["train"], train, device, procs, batch_size=batch_size,
                     max_new_tokens=max_new_tokens)

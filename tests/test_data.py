@@ -392,6 +392,14 @@ def test_regenerate_resume_and_shards(tmp_path, tiny):
 # demo corpus
 
 
+def test_unique_prompts_counts():
+    line = lambda t: json.dumps({"messages": [{"role": "user", "content": t}]}) + "\n"
+    lines = [line(t) for t in ("Hello?", "hi", "hello? ", "seen", "HI", "new one", "later")]
+    kept, dup, excluded = data.unique_prompts(lines, 3, exclude={"seen"})
+    assert kept == [lines[0], lines[1], lines[5]] and (dup, excluded) == (2, 1)  # counted up to the 3rd kept
+    assert data.unique_prompts(lines, 9)[0] == [lines[i] for i in (0, 1, 3, 5, 6)]  # fewer than asked: all
+
+
 def test_prepare_demo_cached(tmp_path, target_dir, capsys):
     os.symlink(target_dir, tmp_path / "smollm2-135m-instruct")  # reuse the converted target
     out = data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8)
@@ -405,6 +413,9 @@ def test_prepare_demo_cached(tmp_path, target_dir, capsys):
     tr = {json.loads(x)["id"] for x in (tmp_path / "chitchat_prompts_train.jsonl").read_text().splitlines()}
     assert len(full) == 7168 and len(ev) + len(tr) == 7168 and not ev & tr and 600 < len(ev) < 850
     assert ev == {json.loads(x)["id"] for x in full if data._stable_hash(json.loads(x)["id"]) % 10 == 0}
+    key = lambda r: " ".join(r["messages"][0]["content"].lower().split())
+    train_keys = {key(json.loads(x)) for x in (tmp_path / "chitchat_prompts_train.jsonl").read_text().splitlines()}
+    assert len({key(r) for r in evals}) == 3 and not {key(r) for r in evals} & train_keys  # unseen, distinct
     assert (tmp_path / "chitchat_train.jsonl").read_text() == out["train"].read_text()  # fixed-name links
     assert (tmp_path / "chitchat_eval.jsonl").read_text() == out["eval"].read_text()
     mtime = out["train"].stat().st_mtime_ns
