@@ -126,7 +126,8 @@ def _block_mask(anchors_BN, keep_BN, S_t, K, window, QT, KVT, Q, KV, mask_mod):
 
 # On CUDA the whole construction runs as one compiled graph: eager, it is ~60 small kernel launches whose host time
 # the GPU waits for at the start of every step (BENCHMARKS.md: eager vs compiled tile tables vs all compiled).
-# Dynamic shapes: one graph per window value, whatever the sequence length. The mask_mod closure is made outside
+# Dynamic shapes: one graph per window value, whatever the sequence length (a KV of one 128-token tile, S + N*K <= 128,
+# is specialized as size 1 and gets one more graph; no real shape is that small). The mask_mod closure is made outside
 # and passed in, as with a compiled create_block_mask.
 _block_mask_compiled = torch.compile(_block_mask, dynamic=True)
 

@@ -167,3 +167,18 @@ def test_compiled_block_mask_equals_eager_no_recompiles():
         if i == 1:
             warm = compile_count()
     assert compile_count() == warm
+
+
+def test_compiled_block_mask_single_kv_tile_compiles_once_more():
+    """Dynamo specializes a size of 1, so a length whose KV (S + N*K) fits one 128-token tile has its own graph: the
+    first length crossing between 1 and >= 2 KV tiles compiles once per window value, then nothing does. Real
+    shapes never have one KV tile (the demo's N*K alone is 4096); tests/test_gpu.py keeps N*K >= 128 for that."""
+    configure_compile()
+    counts = []
+    for S in (48, 64, 32, 80, 96, 48, 300):  # N*K = 64: KV tiles 1, 1, 1, 2, 2, 1, 3
+        anchors, keep = random_case(B=2, S=S, N=16, K=4, seed=S)
+        for window in (None, 16):
+            dflash_block_mask(anchors, keep, S, 4, window, compiled=True)
+        counts.append(compile_count())
+    assert counts[1:3] == [counts[0]] * 2 and counts[3] == counts[0] + 2 and counts[4:] == [counts[3]] * 3, counts
+
