@@ -70,11 +70,23 @@ def _stop(gen, eos, max_new):
     return len(gen) >= max_new or gen[-1] in eos
 
 
+def _lap(times, key, t0, dev):
+    """Add the time since t0 to times[key] (device synchronized) -> now. No-op without a times dict."""
+    if times is None:
+        return t0
+    t1 = _clock(dev)
+    times[key] = times.get(key, 0.0) + t1 - t0
+    return t1
+
+
 @torch.inference_mode()
-def spec_decode(target, drafter, prompt_ids, max_new, block_size, eos, temperature=0.0, generator=None):
+def spec_decode(target, drafter, prompt_ids, max_new, block_size, eos, temperature=0.0, generator=None, times=None):
     """-> (new token ids, first token included, cut at the first EOS (kept) and at max_new; per cycle: tokens
-    committed, drafts accepted before any cut, block size verified). block_size 1 = plain decoding, no drafter."""
+    committed, drafts accepted before any cut, block size verified). block_size 1 = plain decoding, no drafter.
+    times: a dict that gets seconds added under prefill / draft / verify / other (the device is synchronized at
+    each phase's end; decoding at batch 1 waits on the host anyway)."""
     dev = target.device
+    t = _clock(dev) if times is not None else 0.0
     ids = torch.tensor([prompt_ids], device=dev)
     use_drafter = block_size > 1
     out = target(input_ids=ids, use_cache=True, output_hidden_states=use_drafter, logits_to_keep=1)
@@ -83,6 +95,7 @@ def spec_decode(target, drafter, prompt_ids, max_new, block_size, eos, temperatu
     if use_drafter:  # the drafter's first context: features of prompt positions 0..n-1
         layer_ids, mask_id = drafter.cfg.target_layer_ids, drafter.cfg.mask_token_id
         new_hidden = features(out.hidden_states, layer_ids)
+    t = _lap(times, "prefill", t, dev)
     start = ids.shape[1]  # position of the current anchor, gen[-1]; the target cache holds 0..start-1
     committed, accepted, verified = [], [], []
     while not _stop(gen, eos, max_new):
@@ -91,11 +104,13 @@ def spec_decode(target, drafter, prompt_ids, max_new, block_size, eos, temperatu
         block[0, 0] = gen[-1]
         if K > 1:
             block[:, 1:], cache_d = draft(drafter, target, block, new_hidden, cache_d, start, temperature, generator)
+            t = _lap(times, "draft", t, dev)
         out = target(input_ids=block, position_ids=torch.arange(start, start + K, device=dev)[None],
                      past_key_values=cache_t, use_cache=True, output_hidden_states=K > 1)
         # posterior[k] = the target's token after block position k; at temperature > 0 an independent target
         # sample compared by token equality, as the reference does (spec §7), not a probability-ratio test
         post = pick(out.logits[0], temperature, generator).tolist()
+        t = _lap(times, "verify", t, dev)
         blk = block[0].tolist()
         a = 0
         while a < K - 1 and blk[a + 1] == post[a]:
@@ -111,18 +126,23 @@ def spec_decode(target, drafter, prompt_ids, max_new, block_size, eos, temperatu
         crop(cache_t, start)  # block positions 0..a stay (their K/V is exact); the bonus has none yet
         if K > 1:  # new drafter context: target features of block positions 0..a (never the bonus, spec §7.5)
             new_hidden = features(out.hidden_states, layer_ids)[:, :take]
+        t = _lap(times, "other", t, dev)  # acceptance, cache crop, the next context
     return gen, committed, accepted, verified
 
 
 @torch.inference_mode()
-def plain_decode(target, prompt_ids, max_new, eos, temperature=0.0, generator=None):
-    """The target alone, one token per forward over its KV cache: the baseline for speed and for losslessness."""
+def plain_decode(target, prompt_ids, max_new, eos, temperature=0.0, generator=None, times=None):
+    """The target alone, one token per forward over its KV cache: the baseline for speed and for losslessness.
+    times: seconds added under plain_prefill / plain_step (each step ends in a host sync already: int())."""
+    t = _clock(target.device) if times is not None else 0.0
     out = target(input_ids=torch.tensor([prompt_ids], device=target.device), use_cache=True, logits_to_keep=1)
     gen = [int(pick(out.logits[:, -1], temperature, generator))]
+    t = _lap(times, "plain_prefill", t, target.device)
     while not _stop(gen, eos, max_new):
         out = target(input_ids=torch.tensor([gen[-1:]], device=target.device), past_key_values=out.past_key_values,
                      use_cache=True)
         gen.append(int(pick(out.logits[:, -1], temperature, generator)))
+    _lap(times, "plain_step", t, target.device)
     return gen
 
 
@@ -177,10 +197,11 @@ def evaluate(target, tokenizer, drafter, prompts, max_new_tokens=256, temperatur
     t_spec = t_plain = 0.0
     n_spec = n_plain = 0
     hist, acc_k, seen_k = [0] * K, [0] * K, [0] * K
+    times = dict.fromkeys(TIME_KEYS, 0.0)
     for i, p in zip(indices, prompts):
         t0 = _clock(dev)
         out, committed, accepted, verified = spec_decode(target, drafter, p, max_new_tokens, K, eos, temperature,
-                                                         gen(i))
+                                                         gen(i), times)
         t_spec += _clock(dev) - t0
         n_spec += len(out)
         for c, a, k in zip(committed, accepted, verified):
@@ -193,7 +214,7 @@ def evaluate(target, tokenizer, drafter, prompts, max_new_tokens=256, temperatur
         if not check_lossless:
             continue
         t0 = _clock(dev)
-        base = plain_decode(target, p, max_new_tokens, eos, temperature, gen(i))
+        base = plain_decode(target, p, max_new_tokens, eos, temperature, gen(i), times)
         t_plain += _clock(dev) - t0
         n_plain += len(base)
         if temperature > 0 or out == base:
@@ -216,10 +237,13 @@ def evaluate(target, tokenizer, drafter, prompts, max_new_tokens=256, temperatur
                   target_layer_ids=drafter.cfg.target_layer_ids if drafter is not None else None,
                   mask_token_id=drafter.cfg.mask_token_id if drafter is not None else None)
     return _results(per_prompt, hist, acc_k[1:], seen_k[1:], n_spec, t_spec, n_plain, t_plain, divergences,
-                    check_lossless and temperature == 0, config)
+                    check_lossless and temperature == 0, config, times)
 
 
-def _results(per_prompt, hist, acc, seen, n_spec, t_spec, n_plain, t_plain, divergences, checked, config):
+TIME_KEYS = ("prefill", "draft", "verify", "other", "plain_prefill", "plain_step")
+
+
+def _results(per_prompt, hist, acc, seen, n_spec, t_spec, n_plain, t_plain, divergences, checked, config, times):
     """Raw counts -> the results dict. evaluate() and _merge() both build it here, so the figures merged from N
     workers' counts are computed exactly as one process computes them."""
     spec_tps = n_spec / t_spec
@@ -235,6 +259,7 @@ def _results(per_prompt, hist, acc, seen, n_spec, t_spec, n_plain, t_plain, dive
         pos_accept_counts=acc, pos_seen_counts=seen,  # the raw counts behind pos_accept, for merging
         spec_tok_s=spec_tps, plain_tok_s=plain_tps, speedup=spec_tps / plain_tps if plain_tps else None,
         spec_s=t_spec, plain_s=t_plain, plain_tokens=n_plain,
+        time_s=times,  # where the seconds went: spec_s = prefill + draft + verify + other, plain_s = the plain_* two
         lossless=(not divergences) if checked else None, divergences=divergences,
         config=config,
         per_prompt=per_prompt,
@@ -250,7 +275,8 @@ def _merge(parts):
                     add("pos_accept_counts"), add("pos_seen_counts"), tot("new_tokens"), tot("spec_s"),
                     tot("plain_tokens"), tot("plain_s"),
                     sorted((d for r in parts for d in r["divergences"]), key=lambda d: d["prompt"]),
-                    parts[0]["lossless"] is not None, dict(parts[0]["config"], prompts=total, workers=n))
+                    parts[0]["lossless"] is not None, dict(parts[0]["config"], prompts=total, workers=n),
+                    {k: sum(r["time_s"][k] for r in parts) for k in TIME_KEYS})
 
 
 def _worker(k, n, target_path, drafter_path, prompts, device, dtype, kw, out_dir):
@@ -307,6 +333,12 @@ def summary(res):
     s += f" lossless={res['lossless']} divergences={len(res['divergences'])} dtype={c['dtype']}"
     if c.get("workers", 1) > 1:
         s += f" workers={c['workers']} (aggregate spec {res['aggregate_spec_tok_s']:.1f} tok/s)"
+    t, ms = res["time_s"], lambda x, n: f"{1e3 * x / max(n, 1):.2f}"
+    s += (f"\n  per verify cycle: draft {ms(t['draft'], res['cycles'])} ms, verify {ms(t['verify'], res['cycles'])} ms,"
+          f" other {ms(t['other'], res['cycles'])} ms")
+    steps = res["plain_tokens"] - len(res["per_prompt"])  # the first token of each prompt comes from the prefill
+    if res["plain_tokens"]:
+        s += f"; plain decoding: {ms(t['plain_step'], steps)} ms per token"
     return s
 
 

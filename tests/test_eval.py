@@ -259,6 +259,10 @@ def test_cli_loads_checkpoint_writes_json_and_png(tmp_path, llama):
     saved = json.loads((tmp_path / "out" / "eval.json").read_text())
     assert saved["tau"] == res["tau"] and saved["config"]["block_size"] == 8 and saved["config"]["prompts"] == 2
     assert saved["lossless"] is True and saved["speedup"] > 0
+    t = saved["time_s"]  # the phases account for the measured seconds (no gaps but call overhead)
+    spec = t["prefill"] + t["draft"] + t["verify"] + t["other"]
+    assert min(t.values()) > 0 and 0.9 * saved["spec_s"] <= spec <= saved["spec_s"]
+    assert 0.9 * saved["plain_s"] <= t["plain_prefill"] + t["plain_step"] <= saved["plain_s"]
     assert (tmp_path / "out" / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the final assistant turn is not part of the prompt; the loaded drafter decodes exactly like the in-memory one
     assert saved["per_prompt"][0]["prompt_tokens"] == len(ev.render(tok, convs[0][:1]))
@@ -296,6 +300,7 @@ def test_split_prompts_merge_to_one_run(monkeypatch, llama, dtype, temperature):
     for key in EXACT:
         assert merged[key] == one[key], key
     assert merged["config"] == dict(one["config"], workers=3)
+    assert merged["time_s"] == {k: sum(p["time_s"][k] for p in parts) for k in ev.TIME_KEYS}
     if temperature == 0:
         assert [d["prompt"] for d in merged["divergences"]] == [0, 1, 2, 3] and merged["lossless"] is False
     else:  # the seeds matter: a worker numbering its prompts from 0 would decode prompt 3 as prompt 0 of its share
