@@ -37,8 +37,8 @@ CACHE_VERSION = 1  # bump when the tokenized format or the masking rule changes
 # demo corpus sizes (prompts, held-out prompts, answer cap, regeneration batch): the CPU one keeps
 # regeneration to ~2-3 minutes on 2 cores inside the ~10-minute CPU demo
 # (batch = records per resumable write; generate batches are cut under a padded-token budget, see _generate).
-# cuda: 3,000 distinct prompts, as many as the reference recipe's (ANCHORS §6); 4 processes per GPU, since batched HF generate of a 135M
-# model is bound by Python and kernel launches, not by the GPU, so processes sharing one GPU overlap
+# cuda: 3,000 distinct prompts, as many as the reference recipe's (ANCHORS §6); 4 processes per GPU, since batched
+# HF generate of a 135M model is bound by Python and kernel launches, not by the GPU, so processes on one GPU overlap
 DEMO_PRESETS = {"cpu": dict(n_train=128, n_eval=32, max_new_tokens=128, batch_size=32),
                 "cuda": dict(n_train=3000, n_eval=256, max_new_tokens=256, batch_size=512, procs_per_gpu=4)}
 
@@ -384,6 +384,9 @@ def smollm2_gguf():
 def _fix_special_tokens(tokenizer, config):
     """transformers 5.17 reads the GGUF eos as <|im_start|> and no pad: take both from the config."""
     eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
+    if eos is None:  # the config names none (a bare Qwen3Config, say): the tokenizer's own eos stands
+        tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+        return
     tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
     tokenizer.pad_token = tokenizer.eos_token
     assert tokenizer.eos_token_id == eos and tokenizer.pad_token_id == eos, (tokenizer.eos_token, eos)

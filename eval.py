@@ -13,6 +13,7 @@ fp32 logit gap instead.
 
   python eval.py --target DIR --drafter CKPT --data prompts.jsonl [--max-new-tokens 256 --temperature 0
                  --block-size 16 --limit 32 --device cuda --dtype bfloat16 --out out/eval --workers 8]
+  python eval.py --watch out/RUN --data prompts.jsonl [...]   # every checkpoint of a run, as training writes it
   python -m pytest -q tests/test_eval.py
 
 Writes <out>/eval.json (tau, histogram, per-position acceptance, tokens/s, speedup, divergences, config) and
@@ -362,6 +363,66 @@ def write_results(res, out_dir):
     return jpath, ppath
 
 
+def _step(name):
+    return 0 if name == "init" else int(name[5:])
+
+
+def watch(run_dir, out_dir, evaluate_ckpt, poll=30.0, once=False):
+    """Held-out tau every ckpt_every steps, in any topology: evaluate each checkpoint of a training run as it
+    appears (`init`, the untrained drafter, as step 0), oldest first, alongside training (another GPU, or the
+    same one) or after it, until train.py has written done.json and every checkpoint is done. Resumable: what
+    out_dir/tau.jsonl already holds is skipped. A checkpoint pruned (keep_ckpts) before it was read is counted and
+    reported. evaluate_ckpt(path) -> results dict. Writes out_dir/<ckpt>/eval.{json,png}, tau.jsonl, tau.png."""
+    from train import list_ckpts
+    os.makedirs(out_dir, exist_ok=True)
+    log = os.path.join(out_dir, "tau.jsonl")
+    rows = [json.loads(x) for x in open(log)] if os.path.exists(log) else []
+    done, pruned = {r["ckpt"] for r in rows}, []
+    while True:
+        finished = os.path.exists(os.path.join(run_dir, "done.json"))  # before listing: its checkpoints are there
+        names = (["init"] if os.path.isdir(os.path.join(run_dir, "init")) else []) + list_ckpts(run_dir)
+        for name in [n for n in names if n not in done and n not in pruned]:
+            path = os.path.join(run_dir, name)
+            try:
+                res = evaluate_ckpt(path)
+            except LosslessError:
+                raise
+            except (OSError, RuntimeError):
+                if os.path.isdir(path):
+                    raise
+                pruned.append(name)
+                print(f"watch: {name} was pruned before it could be evaluated (keep_ckpts)", flush=True)
+                continue
+            write_results(res, os.path.join(out_dir, name))
+            row = dict(ckpt=name, step=_step(name), tau=res["tau"], tau_pooled=res["tau_pooled"],
+                       speedup=res["speedup"], lossless=res["lossless"], divergences=len(res["divergences"]))
+            with open(log, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            rows.append(row)
+            done.add(name)
+            _plot_tau(rows, os.path.join(out_dir, "tau.png"))
+            print(f"watch: step {row['step']}: {summary(res)}", flush=True)
+        if finished or once:
+            break
+        time.sleep(poll)
+    print(f"watch: {len(rows)} checkpoints evaluated" + (f", {len(pruned)} pruned unread: {pruned}" if pruned else "")
+          + f"; {log}", flush=True)
+    return rows, pruned
+
+
+def _plot_tau(rows, path):
+    from matplotlib.figure import Figure
+    rows = sorted(rows, key=lambda r: r["step"])
+    fig = Figure(figsize=(6, 3.8))
+    ax = fig.subplots()
+    for key in ("tau", "tau_pooled"):
+        ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker="o", label=key)
+    ax.set(xlabel="training step", ylabel="acceptance length", title="held-out tau by checkpoint")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def read_prompts(path, limit=None):
     """JSONL/JSON conversations -> message lists without a final assistant turn (that is what we generate)."""
     from data import read_conversations
@@ -372,8 +433,11 @@ def read_prompts(path, limit=None):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True, help="HF folder (or SmolLM2 .gguf) of the target")
+    p.add_argument("--target", default=None, help="HF folder (or SmolLM2 .gguf) of the target; with --watch: the run's")
     p.add_argument("--drafter", default=None, help="drafter checkpoint dir (ours or released); none: block 1 only")
+    p.add_argument("--watch", default=None, help="a train.py run directory: evaluate every checkpoint as it appears")
+    p.add_argument("--poll", type=float, default=30.0, help="--watch: seconds between looks for new checkpoints")
+    p.add_argument("--once", action="store_true", help="--watch: evaluate what is there now, then stop")
     p.add_argument("--data", required=True, help="JSONL of conversations; the final assistant turn is dropped")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -384,11 +448,20 @@ def main(argv=None):
                    help="default: bfloat16 on cuda, float32 on cpu (the exact losslessness check needs float32)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup, no lossless check)")
-    p.add_argument("--out", default="out/eval")
+    p.add_argument("--out", default=None, help="default: out/eval; with --watch: RUN/eval")
     p.add_argument("--workers", type=int, default=1,
                    help="processes sharing the device, worker k taking prompts k, k+N, ... (tok/s then per stream)")
     a = p.parse_args(argv)
-    if a.drafter is None and (a.block_size or 1) != 1:
+    if a.watch:
+        cfg_path = os.path.join(a.watch, "config.json")
+        if not os.path.exists(cfg_path):
+            p.error(f"--watch {a.watch}: no config.json, not a train.py run directory")
+        if a.drafter:
+            p.error("--watch evaluates the run's checkpoints: drop --drafter")
+        a.target = a.target or json.load(open(cfg_path))["train"]["target"]
+    if a.target is None:
+        p.error("--target is required")
+    if a.drafter is None and (a.block_size or 1) != 1 and not a.watch:
         p.error("--block-size > 1 needs --drafter")
     if a.workers < 1:
         p.error("--workers must be >= 1")
@@ -396,17 +469,27 @@ def main(argv=None):
     dtype = getattr(torch, a.dtype) if a.dtype else None
     kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, block_size=a.block_size,
               check_lossless=not a.no_baseline, seed=a.seed)
-    if a.workers > 1:
-        res = evaluate_parallel(a.target, a.drafter, prompts, a.workers, a.device, dtype, **kw)
-    else:
-        from data import load_target
-        from model import load_drafter
-        target, tok = load_target(a.target, a.device, dtype)
-        drafter = load_drafter(a.drafter, a.device, next(target.parameters()).dtype) if a.drafter else None
-        res = evaluate(target, tok, drafter, prompts, **kw)
-    res["config"].update(target=str(a.target), drafter=a.drafter, data=a.data)
-    res["config"].setdefault("workers", 1)
-    write_results(res, a.out)
+    loaded = {}
+
+    def run(drafter_path):
+        if a.workers > 1:
+            res = evaluate_parallel(a.target, drafter_path, prompts, a.workers, a.device, dtype, **kw)
+        else:
+            from data import load_target
+            from model import load_drafter
+            if not loaded:  # one target for every checkpoint of a watch
+                loaded["target"], loaded["tok"] = load_target(a.target, a.device, dtype)
+            target = loaded["target"]
+            drafter = load_drafter(drafter_path, a.device, next(target.parameters()).dtype) if drafter_path else None
+            res = evaluate(target, loaded["tok"], drafter, prompts, **kw)
+        res["config"].update(target=str(a.target), drafter=drafter_path, data=a.data)
+        res["config"].setdefault("workers", 1)
+        return res
+
+    if a.watch:
+        return watch(a.watch, a.out or os.path.join(a.watch, "eval"), run, a.poll, a.once)
+    res = run(a.drafter)
+    write_results(res, a.out or "out/eval")
     print(summary(res))
     return res
 

@@ -937,6 +937,8 @@ def train(cfg, d, target_config, tokenizer):
     mine = deque(m for s in range(start, total) for m in range(s * per_step + di, (s + 1) * per_step, Dr))
     receiver = None if d.is_target else Receiver(cfg, d, len(dcfg.target_layer_ids) * dcfg.hidden_size, dtype, mine)
     metrics = os.path.join(run_dir, "metrics.jsonl")
+    if d.leader and os.path.exists(os.path.join(run_dir, "done.json")):  # resumed past an earlier end: not done
+        os.remove(os.path.join(run_dir, "done.json"))
     if d.leader and not state:
         if os.path.exists(metrics):
             os.remove(metrics)
@@ -1018,7 +1020,10 @@ def train(cfg, d, target_config, tokenizer):
                 save_checkpoint(run_dir, done, drafter, optim, cfg, done * per_step, bad_steps)
                 plot_curves(run_dir)
                 print(f"checkpoint {last_good}", flush=True)
-    if d.leader:
+    if d.leader:  # the run is over: eval.py --watch stops once it has evaluated every checkpoint
+        with open(os.path.join(run_dir, "done.json.tmp"), "w") as f:
+            json.dump({"steps": total, "bad_steps": bad_steps, "final": last_good}, f)
+        os.replace(os.path.join(run_dir, "done.json.tmp"), os.path.join(run_dir, "done.json"))
         print(f"done: {total} steps" + (f", {bad_steps} skipped as non-finite" if bad_steps else "") +
               (f" (the last {streak} in a row: no final checkpoint)" if streak else "") +
               f"; checkpoints in {run_dir}", flush=True)

@@ -365,3 +365,82 @@ def test_dead_worker_fails_fast(saved):
     with pytest.raises(RuntimeError, match="IndexError"):
         ev.evaluate_parallel(saved / "target", saved / "drafter", ps, 2, "cpu", max_new_tokens=8, eos_ids=[EOS])
     assert time.perf_counter() - t0 < 60
+
+# -----------------------------------------------------------------------------
+# --watch: every checkpoint of a training run, as it appears
+
+
+def test_watch_a_training_run(tiny_target, convs, tmp_path):
+    """train.py writes init + checkpoints + done.json; --watch evaluates each (init = step 0) exactly as a direct
+    evaluation of that checkpoint, skips what it already did when started again, and waits for checkpoints that
+    do not exist yet until done.json says the run is over."""
+    import shutil
+    import subprocess
+    import sys
+    from conftest import ROOT, run_train
+    from data import load_target
+    from model import load_drafter
+    p, _ = run_train(tiny_target, convs, tmp_path / "out", 1, "--max_steps=4", "--ckpt_every=2")
+    assert p.returncode == 0, p.stderr[-2000:]
+    run = tmp_path / "out" / "r"
+    assert json.loads((run / "done.json").read_text())["steps"] == 4
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": c}]}) + "\n"
+                            for c in ("Say 3 words please", "alpha beta")))
+    args = ["--data", str(data), "--max-new-tokens", "8", "--device", "cpu", "--poll", "0.1"]
+    rows, pruned = ev.main(["--watch", str(run)] + args)
+    assert [r["step"] for r in rows] == [0, 2, 4] and not pruned and all(r["lossless"] for r in rows)
+    assert (run / "eval" / "tau.png").exists() and (run / "eval" / "ckpt-0000004" / "eval.png").exists()
+    target, tok = load_target(tiny_target, "cpu")
+    drafter = load_drafter(run / "ckpt-0000004", "cpu", torch.float32)  # as --watch loads it: the target's dtype
+    direct = ev.evaluate(target, tok, drafter, ev.read_prompts(data), 8)
+    saved = json.loads((run / "eval" / "ckpt-0000004" / "eval.json").read_text())
+    assert [r["committed"] for r in saved["per_prompt"]] == [r["committed"] for r in direct["per_prompt"]]
+    assert ev.main(["--watch", str(run)] + args)[0] == rows  # nothing evaluated twice
+    assert len((run / "eval" / "tau.jsonl").read_text().splitlines()) == 3
+
+    # a run still going: the watcher waits, evaluates the checkpoint that appears, stops at done.json
+    live = tmp_path / "live"
+    shutil.copytree(run, live, ignore=shutil.ignore_patterns("ckpt-0000004", "done.json", "eval"))
+    w = subprocess.Popen([sys.executable, str(ROOT / "eval.py"), "--watch", str(live)] + args, cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = live / "eval" / "tau.jsonl"
+    t0 = time.time()
+    while not (log.exists() and len(log.read_text().splitlines()) == 2):
+        assert w.poll() is None and time.time() - t0 < 120, w.stdout.read() if w.poll() is not None else "slow"
+        time.sleep(0.2)
+    time.sleep(1.0)
+    assert w.poll() is None  # still waiting for more
+    shutil.copytree(run / "ckpt-0000004", live / "ckpt-0000004.tmp")
+    (live / "ckpt-0000004.tmp").rename(live / "ckpt-0000004")  # published by a rename, as train.py does
+    shutil.copy(run / "done.json", live / "done.json")
+    out, _ = w.communicate(timeout=120)
+    assert w.returncode == 0, out
+    assert [json.loads(x)["step"] for x in log.read_text().splitlines()] == [0, 2, 4]
+
+
+def test_watch_counts_pruned_checkpoints(tmp_path):
+    """A checkpoint removed (keep_ckpts) before the watcher could read it is skipped and reported, not fatal;
+    any other failure of a checkpoint that still exists is raised."""
+    run = tmp_path / "run"
+    for name in ("init", "ckpt-0000002", "ckpt-0000004"):
+        (run / name).mkdir(parents=True)
+    (run / "done.json").write_text("{}")
+    fake = dict(tau=2.0, tau_pooled=1.5, speedup=None, lossless=None, divergences=[], accept_hist=[1, 1],
+                cycles=2, pos_accept=[0.5], config=dict(block_size=2, prompts=1, dtype="float32"), per_prompt=[{}],
+                plain_tokens=0, spec_tok_s=1.0, time_s=dict.fromkeys(ev.TIME_KEYS, 0.0))
+
+    def evaluate_ckpt(path):
+        if path.endswith("ckpt-0000002"):
+            (run / "ckpt-0000002").rmdir()
+            raise FileNotFoundError(path)
+        return fake
+
+    rows, pruned = ev.watch(str(run), str(tmp_path / "ev"), evaluate_ckpt)
+    assert [r["step"] for r in rows] == [0, 4] and pruned == ["ckpt-0000002"]
+
+    def broken(path):
+        raise RuntimeError("bad checkpoint")
+
+    with pytest.raises(RuntimeError, match="bad checkpoint"):
+        ev.watch(str(run), str(tmp_path / "ev2"), broken)
