@@ -614,9 +614,22 @@ def write_chitchat(cache):
     return files
 
 
+def prompt_key(messages):
+    """A prompt's identity for de-duplication and held-out checks: its turns, case and whitespace folded."""
+    return tuple((m["role"], " ".join(m["content"].lower().split())) for m in messages)
+
+
+def training_prompt_keys(path):
+    """prompt_key of every prompt a training file contains: each conversation's prefix up to every user turn
+    (what a held-out prompt must not be). Broken records are skipped: only the prompts matter here."""
+    keys = set()
+    for conv in read_conversations(path, skip_invalid=True, require_assistant=False)[0]:
+        keys.update(prompt_key(conv[:i + 1]) for i, m in enumerate(conv) if m["role"] == "user")
+    return keys
+
+
 def _prompt_key(line):
-    """A prompt's identity for de-duplication: its first user turn, case and whitespace folded."""
-    return " ".join(json.loads(line)["messages"][0]["content"].lower().split())
+    return prompt_key(json.loads(line)["messages"])
 
 
 def unique_prompts(lines, n, exclude=frozenset()):

@@ -325,6 +325,21 @@ def evaluate_parallel(target_path, drafter_path, prompts, workers, device="cpu",
     return res
 
 
+def mark_seen(res, prompts, keys):
+    """Flag each prompt that is, as text, a prompt of the training data (data.training_prompt_keys), and add tau
+    over the unseen ones: a held-out set split by conversation can still repeat training prompts verbatim."""
+    from data import prompt_key
+    seen = [prompt_key(p) in keys for p in prompts]
+    for r, s in zip(res["per_prompt"], seen):
+        r["seen_in_training"] = s
+    unseen = [r for r, s in zip(res["per_prompt"], seen) if not s]
+    res["seen_in_training"] = sum(seen)
+    if unseen:
+        res["tau_unseen"] = sum(r["tau"] for r in unseen) / len(unseen)
+        res["tau_pooled_unseen"] = sum(sum(r["committed"]) for r in unseen) / max(sum(r["cycles"] for r in unseen), 1)
+    return res
+
+
 def summary(res):
     c = res["config"]
     s = (f"eval: tau={res['tau']:.3f} (pooled {res['tau_pooled']:.3f}) K={c['block_size']} prompts={c['prompts']} "
@@ -340,6 +355,10 @@ def summary(res):
     steps = res["plain_tokens"] - len(res["per_prompt"])  # the first token of each prompt comes from the prefill
     if res["plain_tokens"]:
         s += f"; plain decoding: {ms(t['plain_step'], steps)} ms per token"
+    if res.get("seen_in_training"):
+        s += (f"\n  WARNING: {res['seen_in_training']} of {c['prompts']} prompts are, as text, training prompts; "
+              + (f"on the other {c['prompts'] - res['seen_in_training']}: tau={res['tau_unseen']:.3f} "
+                 f"(pooled {res['tau_pooled_unseen']:.3f})" if "tau_unseen" in res else "no unseen prompt"))
     return s
 
 
@@ -395,7 +414,8 @@ def watch(run_dir, out_dir, evaluate_ckpt, poll=30.0, once=False):
                 continue
             write_results(res, os.path.join(out_dir, name))
             row = dict(ckpt=name, step=_step(name), tau=res["tau"], tau_pooled=res["tau_pooled"],
-                       speedup=res["speedup"], lossless=res["lossless"], divergences=len(res["divergences"]))
+                       speedup=res["speedup"], lossless=res["lossless"], divergences=len(res["divergences"]),
+                       seen_in_training=res.get("seen_in_training"))
             with open(log, "a") as f:
                 f.write(json.dumps(row) + "\n")
             rows.append(row)
@@ -438,6 +458,8 @@ def main(argv=None):
     p.add_argument("--watch", default=None, help="a train.py run directory: evaluate every checkpoint as it appears")
     p.add_argument("--poll", type=float, default=30.0, help="--watch: seconds between looks for new checkpoints")
     p.add_argument("--once", action="store_true", help="--watch: evaluate what is there now, then stop")
+    p.add_argument("--train-data", default=None, help="flag prompts that are, as text, prompts of this training "
+                   "file, and report tau without them (default with --watch: the run's data, if it is there)")
     p.add_argument("--data", required=True, help="JSONL of conversations; the final assistant turn is dropped")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -458,7 +480,10 @@ def main(argv=None):
             p.error(f"--watch {a.watch}: no config.json, not a train.py run directory")
         if a.drafter:
             p.error("--watch evaluates the run's checkpoints: drop --drafter")
-        a.target = a.target or json.load(open(cfg_path))["train"]["target"]
+        run_cfg = json.load(open(cfg_path))["train"]
+        a.target = a.target or run_cfg["target"]
+        if a.train_data is None and os.path.exists(run_cfg["data"]):
+            a.train_data = run_cfg["data"]
     if a.target is None:
         p.error("--target is required")
     if a.drafter is None and (a.block_size or 1) != 1 and not a.watch:
@@ -466,6 +491,10 @@ def main(argv=None):
     if a.workers < 1:
         p.error("--workers must be >= 1")
     prompts = read_prompts(a.data, a.limit)
+    keys = None
+    if a.train_data:
+        from data import training_prompt_keys
+        keys = training_prompt_keys(a.train_data)
     dtype = getattr(torch, a.dtype) if a.dtype else None
     kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, block_size=a.block_size,
               check_lossless=not a.no_baseline, seed=a.seed)
@@ -482,9 +511,9 @@ def main(argv=None):
             target = loaded["target"]
             drafter = load_drafter(drafter_path, a.device, next(target.parameters()).dtype) if drafter_path else None
             res = evaluate(target, loaded["tok"], drafter, prompts, **kw)
-        res["config"].update(target=str(a.target), drafter=drafter_path, data=a.data)
+        res["config"].update(target=str(a.target), drafter=drafter_path, data=a.data, train_data=a.train_data)
         res["config"].setdefault("workers", 1)
-        return res
+        return mark_seen(res, prompts, keys) if keys is not None else res
 
     if a.watch:
         return watch(a.watch, a.out or os.path.join(a.watch, "eval"), run, a.poll, a.once)

@@ -58,9 +58,9 @@ C=${DFLASH_CACHE:-$HOME/.cache/dflash-trainer}
 run "$NPROC" --preset="$PRESET" --device="$DEV" $SPLIT --out_dir="$OUT" --run_name="$RUN" "$@"
 CKPT=$(ls -d "$OUT/$RUN"/ckpt-* | tail -1)
 "$PY" eval.py --target "$C/smollm2-135m-instruct" --drafter "$OUT/$RUN/init" --data "$C/chitchat_eval.jsonl" \
-  --device "$DEV" $EVAL --no-baseline --out "$OUT/$RUN/eval_untrained"
+  --device "$DEV" $EVAL --no-baseline --train-data "$C/chitchat_train.jsonl" --out "$OUT/$RUN/eval_untrained"
 "$PY" eval.py --target "$C/smollm2-135m-instruct" --drafter "$CKPT" --data "$C/chitchat_eval.jsonl" \
-  --device "$DEV" $EVAL --out "$OUT/$RUN/eval_trained"
+  --device "$DEV" $EVAL --train-data "$C/chitchat_train.jsonl" --out "$OUT/$RUN/eval_trained"
 "$PY" - "$OUT/$RUN" <<'PY'
 import json, sys
 u, t = (json.load(open(f"{sys.argv[1]}/eval_{k}/eval.json")) for k in ("untrained", "trained"))

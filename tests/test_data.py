@@ -395,9 +395,23 @@ def test_regenerate_resume_and_shards(tmp_path, tiny):
 def test_unique_prompts_counts():
     line = lambda t: json.dumps({"messages": [{"role": "user", "content": t}]}) + "\n"
     lines = [line(t) for t in ("Hello?", "hi", "hello? ", "seen", "HI", "new one", "later")]
-    kept, dup, excluded = data.unique_prompts(lines, 3, exclude={"seen"})
+    seen = data.prompt_key([{"role": "user", "content": "seen"}])
+    kept, dup, excluded = data.unique_prompts(lines, 3, exclude={seen})
     assert kept == [lines[0], lines[1], lines[5]] and (dup, excluded) == (2, 1)  # counted up to the 3rd kept
     assert data.unique_prompts(lines, 9)[0] == [lines[i] for i in (0, 1, 3, 5, 6)]  # fewer than asked: all
+
+
+def test_training_prompt_keys(tmp_path):
+    """Every prefix of a training conversation that ends at a user turn is a training prompt, folded."""
+    f = tmp_path / "t.jsonl"
+    conv = [{"role": "user", "content": "Hi  There"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "bye"}, {"role": "assistant", "content": "ciao"}]
+    only = [{"role": "user", "content": "a prompt file: no answers yet"}]
+    f.write_text(json.dumps({"messages": conv}) + "\n" + "{broken\n" + json.dumps({"messages": only}) + "\n")
+    keys = data.training_prompt_keys(f)
+    assert keys == {data.prompt_key(conv[:1]), data.prompt_key(conv[:3]), data.prompt_key(only)}
+    assert data.prompt_key([{"role": "user", "content": "hi there "}]) in keys
+    assert data.prompt_key([{"role": "user", "content": "bye"}]) not in keys  # a later turn alone is another prompt
 
 
 def test_prepare_demo_cached(tmp_path, target_dir, capsys):

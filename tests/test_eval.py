@@ -396,6 +396,10 @@ def test_watch_a_training_run(tiny_target, convs, tmp_path):
     direct = ev.evaluate(target, tok, drafter, ev.read_prompts(data), 8)
     saved = json.loads((run / "eval" / "ckpt-0000004" / "eval.json").read_text())
     assert [r["committed"] for r in saved["per_prompt"]] == [r["committed"] for r in direct["per_prompt"]]
+    # the held-out check against the run's own data: "Say 3 words please" is a training prompt, "alpha beta" is not
+    assert all(r["seen_in_training"] == 1 for r in rows)
+    assert [r["seen_in_training"] for r in saved["per_prompt"]] == [True, False]
+    assert saved["tau_unseen"] == saved["per_prompt"][1]["tau"] and saved["config"]["train_data"] == str(convs)
     assert ev.main(["--watch", str(run)] + args)[0] == rows  # nothing evaluated twice
     assert len((run / "eval" / "tau.jsonl").read_text().splitlines()) == 3
 
