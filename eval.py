@@ -14,6 +14,7 @@ fp32 logit gap instead.
   python eval.py --target DIR --drafter CKPT --data prompts.jsonl [--max-new-tokens 256 --temperature 0
                  --block-size 16 --limit 32 --device cuda --dtype bfloat16 --out out/eval --workers 8]
   python eval.py --watch out/RUN --data prompts.jsonl [...]   # every checkpoint of a run, as training writes it
+  python eval.py ... --train-data train.jsonl   # flag prompts that are training prompts; tau without them too
   python -m pytest -q tests/test_eval.py
 
 Writes <out>/eval.json (tau, histogram, per-position acceptance, tokens/s, speedup, divergences, config) and
