@@ -112,26 +112,18 @@ class DFlashAttention(nn.Module):
         out = attend(q, k, v, mask)  # B H Q hd
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.H * self.hd))
 
-    def forward_cached(self, x_BKD, ctx_new_BTD, cache_kv, start):
-        """Inference (spec §7.2): extend the context cache with new verified positions, attend one block at
-        positions start..start+K-1 over [cached context ; block], keep only the context in the cache."""
+    def forward_cached(self, x_BKD, ctx_new_BTD, cache_kv, rope_ctx, rope_blk, sliding_mask):
+        """Inference (spec §7.2): extend the context cache with new verified positions, attend one block over
+        [cached context ; block], keep only the context in the cache. rope_ctx / rope_blk: (cos, sin) of the new
+        context and the block positions; sliding_mask: [K, start+K] bool or None; all three shared by every layer."""
         B, K, _ = x_BKD.shape
-        dev, inv = x_BKD.device, self.inv_freq
-        T0 = 0 if cache_kv is None else cache_kv[0].shape[2]
-        assert T0 + ctx_new_BTD.shape[1] == start, "context cache must cover exactly positions 0..start-1"
-        cos_c, sin_c = rope_cos_sin(torch.arange(T0, start, device=dev)[None], inv, x_BKD.dtype)
-        k_new, v_new = self.project_kv(ctx_new_BTD, cos_c, sin_c)
+        k_new, v_new = self.project_kv(ctx_new_BTD, *rope_ctx)
         if cache_kv is not None:
             k_new, v_new = torch.cat([cache_kv[0], k_new], 2), torch.cat([cache_kv[1], v_new], 2)
-        cos_b, sin_b = rope_cos_sin(torch.arange(start, start + K, device=dev)[None], inv, x_BKD.dtype)
-        q = self.project_q(x_BKD, cos_b, sin_b)
-        k_blk, v_blk = self.project_kv(x_BKD, cos_b, sin_b)
+        q = self.project_q(x_BKD, *rope_blk)
+        k_blk, v_blk = self.project_kv(x_BKD, *rope_blk)
         k, v = torch.cat([k_new, k_blk], 2), torch.cat([v_new, v_blk], 2)
-        mask = None  # full layer: every cached context key (< start) and the whole block
-        if self.window is not None:  # sliding layer: key position >= query position - (W-1), causal in the block
-            qpos = torch.arange(start, start + K, device=dev)[:, None]
-            kpos = torch.arange(start + K, device=dev)[None, :]
-            mask = (kpos >= qpos - (self.window - 1)) & ((kpos < start) | (kpos <= qpos))
+        mask = sliding_mask if self.window is not None else None  # full layer: every context key and the block
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, K, self.H * self.hd)), (k_new, v_new)
 
@@ -161,8 +153,8 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), ctx, cos_all, sin_all, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_cached(self, x, ctx_new, cache_kv, start):
-        a, cache_kv = self.self_attn.forward_cached(self.input_layernorm(x), ctx_new, cache_kv, start)
+    def forward_cached(self, x, ctx_new, cache_kv, *shared):
+        a, cache_kv = self.self_attn.forward_cached(self.input_layernorm(x), ctx_new, cache_kv, *shared)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), cache_kv
 
@@ -386,10 +378,21 @@ class DFlashDrafter(nn.Module):
         """Inference-style forward of one block (spec §7.2). cache: list of per-layer (k, v) for context
         positions 0..start-T-1 (None entries for an empty cache); new_hidden: target states of the newly
         verified positions start-T..start-1. Returns (normed hidden [B,K,D], new cache holding 0..start-1)."""
+        K, T, dev, dt = x_BKD.shape[1], new_hidden_BTC.shape[1], x_BKD.device, x_BKD.dtype
+        T0 = 0 if not cache or cache[0] is None else cache[0][0].shape[2]
+        assert T0 + T == start, "context cache must cover exactly positions 0..start-1"
         ctx_new = self.hidden_norm(self.fc(new_hidden_BTC))
+        # RoPE and the sliding mask depend on positions only: computed once here, not once per layer
+        rope_ctx = rope_cos_sin(torch.arange(T0, start, device=dev)[None], self.inv_freq, dt)
+        rope_blk = rope_cos_sin(torch.arange(start, start + K, device=dev)[None], self.inv_freq, dt)
+        sliding = None  # key position >= query position - (W-1), causal inside the block
+        if "sliding_attention" in self.cfg.layer_types:
+            qpos = torch.arange(start, start + K, device=dev)[:, None]
+            kpos = torch.arange(start + K, device=dev)[None, :]
+            sliding = (kpos >= qpos - (self.cfg.sliding_window - 1)) & ((kpos < start) | (kpos <= qpos))
         h, new_cache = x_BKD, []
         for layer, kv in zip(self.layers, cache or [None] * len(self.layers)):
-            h, kv = layer.forward_cached(h, ctx_new, kv, start)
+            h, kv = layer.forward_cached(h, ctx_new, kv, rope_ctx, rope_blk, sliding)
             new_cache.append(kv)
         return self.norm(h), new_cache
 
