@@ -21,9 +21,16 @@ Test: python -m pytest -q tests/test_attention.py
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 TILE = 128  # flex_attention's default BlockMask granularity (rows and columns)
+
+# SDPA backends for decoding (eval.py, data.py's regeneration): every one but cuDNN. cuDNN attention builds an
+# execution plan on the host for each new exact q/k/v/mask shape and caches it by shape; decoding grows the key
+# length every step, so each call misses. On the H200 (torch 2.11, bf16) a speculative cycle took 133 ms with
+# cuDNN and 42-47 ms without (random SmolLM2-shaped target, BENCHMARKS.md). CPU and fp32 never pick cuDNN.
+NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH, SDPBackend.OVERRIDEABLE]
 
 # -----------------------------------------------------------------------------
 # the rule

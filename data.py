@@ -28,6 +28,9 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from torch.nn.attention import sdpa_kernel
+
+from attention import NO_CUDNN
 
 # ShareGPT speaker names -> OpenAI roles; anything else is an error, never a guess
 ROLES = {"system": "system", "user": "user", "human": "user",
@@ -462,8 +465,9 @@ def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs, max_ba
     for g in groups:
         enc = tokenizer([texts[i] for i in g], add_special_tokens=False, padding=True, padding_side="left",
                         return_tensors="pt").to(model.device)
-        out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        with sdpa_kernel(NO_CUDNN):  # the key length grows every step: cuDNN would rebuild its plan each time
+            out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         for i, row in zip(g, out[:, enc["input_ids"].shape[1]:].tolist()):
             n = row.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in row else len(row)
             unfinished += n == len(row)

@@ -31,7 +31,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
+
+from attention import NO_CUDNN
 
 
 class LosslessError(RuntimeError):
@@ -69,13 +71,6 @@ def draft(drafter, target, block_1K, new_hidden_1TC, cache, start, temperature, 
     return pick(logits, temperature, generator), cache
 
 
-# Attention backends for decoding: every one but cuDNN. cuDNN attention builds an execution plan on the host for each
-# new exact q/k/v/mask shape (tens of ms) and caches it by shape; decoding never repeats a key length within a prompt,
-# so on the H200 each verify and each draft call paid one build (diag: 173 ms per cycle in the loop vs ~38 ms for the
-# same calls at a fixed cache length). Only bf16/fp16 on CUDA ever picked cuDNN; CPU and fp32 run as before.
-DECODE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH, SDPBackend.OVERRIDEABLE]
-
-
 def _stop(gen, eos, max_new):
     return len(gen) >= max_new or gen[-1] in eos
 
@@ -90,7 +85,7 @@ def _lap(times, key, t0, dev):
 
 
 @torch.inference_mode()
-@sdpa_kernel(DECODE_SDPA)
+@sdpa_kernel(NO_CUDNN)
 def spec_decode(target, drafter, prompt_ids, max_new, block_size, eos, temperature=0.0, generator=None, times=None):
     """-> (new token ids, first token included, cut at the first EOS (kept) and at max_new; per cycle: tokens
     committed, drafts accepted before any cut, block size verified). block_size 1 = plain decoding, no drafter.
@@ -141,7 +136,7 @@ def spec_decode(target, drafter, prompt_ids, max_new, block_size, eos, temperatu
 
 
 @torch.inference_mode()
-@sdpa_kernel(DECODE_SDPA)
+@sdpa_kernel(NO_CUDNN)
 def plain_decode(target, prompt_ids, max_new, eos, temperature=0.0, generator=None, times=None):
     """The target alone, one token per forward over its KV cache: the baseline for speed and for losslessness.
     times: seconds added under plain_prefill / plain_step (each step ends in a host sync already: int())."""

@@ -363,6 +363,17 @@ def test_regenerate_multiturn_sharegpt(tmp_path, tiny):
     assert turns[4]["value"] == hf_greedy(model, tok, msgs, 6)  # given the regenerated history
 
 
+def test_generate_runs_without_cudnn_attention(monkeypatch, tiny):
+    """Regeneration decodes with a key length that grows every step: cuDNN attention (a host-side plan per shape)
+    is switched off for it, as for eval.py's decoding, and switched back on afterwards."""
+    model, tok = tiny
+    seen, real = [], torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or real(*a, **kw))
+    data._generate(model, tok, [[{"role": "user", "content": "Hi"}]], 4, {})
+    assert len(seen) >= 8 and not any(seen) and torch.backends.cuda.cudnn_sdp_enabled()
+
+
 def test_regenerate_resume_and_shards(tmp_path, tiny):
     model, tok = tiny
     src = tmp_path / "in.jsonl"

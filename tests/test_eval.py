@@ -185,6 +185,25 @@ def test_wrong_drafter_tau_one(monkeypatch, llama):
     assert ev.spec_decode(target, drafter, p, MAX_NEW, 16, set())[0] == greedy
 
 
+def test_decoding_never_uses_cudnn_attention(monkeypatch, llama):
+    """Every target and drafter forward of spec_decode and plain_decode runs with cuDNN attention off: it rebuilds
+    a host-side plan for each new key length, which decoding has every step (3x slower cycles on an H200)."""
+    target, drafter = llama
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(*a, **kw):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    p = prompts()[1]
+    ev.spec_decode(target, drafter, p, 12, 4, set())
+    ev.plain_decode(target, p, 12, set())
+    assert len(seen) > 20 and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored on the way out
+
+
 def test_check_catches_a_broken_loop(monkeypatch, llama):
     """The lossless check can fail: a loop that forgets to crop the target cache after rejections is caught."""
     target, drafter = llama
