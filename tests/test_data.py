@@ -399,6 +399,31 @@ def test_regenerate_resume_and_shards(tmp_path, tiny):
     assert (tmp_path / "two.jsonl").read_text() == ref
     assert not list(tmp_path.glob("*.part*"))
 
+def test_regenerate_sampled_is_seeded_and_resumes(tmp_path, tiny):
+    """temperature > 0 samples (answers differ from greedy), reproducibly: the same seed gives the same file, also
+    when a crashed run resumes mid-file or the records are split over two ranks; another seed gives another."""
+    model, tok = tiny
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"}]}) + "\n"
+                           for i in range(4)))
+    kw = dict(batch_size=2, max_new_tokens=6)
+
+    def run(name, world=1, **extra):
+        for r in range(world):
+            data.regenerate(model, tok, src, tmp_path / name, rank=r, world=world, **kw, **extra)
+        data.merge_parts(tmp_path / name, world)
+        return [json.loads(x)["messages"][1]["content"] for x in (tmp_path / name).read_text().splitlines()]
+
+    greedy = run("g.jsonl")
+    hot = run("a.jsonl", temperature=1.0, seed=3)
+    assert hot != greedy and len(set(hot)) == 4
+    lines = (tmp_path / "a.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "b.jsonl.part0of1").write_text(lines[0] + lines[1] + lines[2][:7])  # crash inside batch 2
+    assert run("b.jsonl", temperature=1.0, seed=3) == hot
+    two = run("c.jsonl", world=2, temperature=1.0, seed=3)
+    assert two == run("c2.jsonl", world=2, temperature=1.0, seed=3) and run("d.jsonl", temperature=1.0, seed=4) != hot
+
+
 # -----------------------------------------------------------------------------
 # demo corpus
 
@@ -447,6 +472,25 @@ def test_prepare_demo_cached(tmp_path, target_dir, capsys):
     capsys.readouterr()
     assert data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8) == out
     assert "exists, skipping" in capsys.readouterr().out and out["train"].stat().st_mtime_ns == mtime
+
+
+def test_prepare_demo_with_samples(tmp_path, target_dir):
+    """samples=2: the greedy corpus, then two sampled answers per train prompt (distinct ids); the fixed-name link
+    follows; a second call finds it cached."""
+    os.symlink(target_dir, tmp_path / "smollm2-135m-instruct")
+    greedy = data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8)["train"].read_text().splitlines()
+    out = data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8, samples=2, sample_temperature=1.0)
+    recs = [json.loads(x) for x in out["train"].read_text().splitlines()]
+    assert out["train"].name == "chitchat_train_u2_m8_t1x2.jsonl" and len(recs) == 6
+    assert [json.dumps(r, ensure_ascii=False) for r in recs[:2]] == greedy
+    g = [json.loads(x) for x in greedy]
+    assert [r["messages"][0] for r in recs[2:]] == [m["messages"][0] for m in g] * 2
+    assert [r["id"] for r in recs[2:]] == [f"{m['id']}#s{k}" for k in (1, 2) for m in g]
+    assert all(r["messages"][1]["role"] == "assistant" for r in recs)
+    assert any(r["messages"][1] != g[i % 2]["messages"][1] for i, r in enumerate(recs[2:]))  # sampled, not greedy
+    assert (tmp_path / "chitchat_train.jsonl").read_text() == out["train"].read_text()
+    assert not list(tmp_path.glob("*.prompts.jsonl")) and not list(tmp_path.glob("*.part*"))
+    assert data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8, samples=2) == out
 
 
 def test_cli_tokenize(tmp_path, capsys, target_dir):
