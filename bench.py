@@ -10,6 +10,7 @@ hardware, commit and command). Random weights built from configs: no checkpoint 
     python bench.py target --model 8b        # bare HF forward vs our capture path (and FSDP on a 1-GPU mesh)
     python bench.py target --model 27b [--no-fla]
     python bench.py e2e --model 8b           # colocated target forward + drafter step on one GPU
+    python bench.py decode                   # eval.py's batch-1 loop, ms per cycle, with and without cuDNN attention
 
 Timing is honest (STYLE.md §11): compile and warm up first, synchronize before reading the clock, median of several
 runs. MFU is against the bf16 matmul measured in the same process and against the 989 TFLOP/s datasheet.
@@ -399,6 +400,51 @@ def bench_e2e(args):
 # -----------------------------------------------------------------------------
 
 
+# SmolLM2-135M-Instruct (the demo target), for the decoding loop
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+               max_position_embeddings=8192)
+
+
+def bench_decode(args):
+    """eval.py's spec_decode (block 16, a random drafter: ~1 token per cycle) and plain_decode on a random
+    SmolLM2-shaped target, bf16, batch 1, in ms per cycle / per token with eval's time split. Each loop runs twice on
+    one prompt: the second pass repeats every shape of the first. 'torch default' lifts eval's NO_CUDNN restriction,
+    where cuDNN attention builds a host-side plan for each new key length."""
+    import eval as ev
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from model import drafter_config_from_target
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**SMOLLM2)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a smoke run of the same loop
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    target = LlamaForCausalLM(cfg).to(dev, torch.bfloat16).eval()
+    drafter = DFlashDrafter(drafter_config_from_target(cfg, None, num_target_features=5, mask_token=16))
+    drafter = drafter.to(dev, torch.bfloat16).eval()
+    prompt, n = torch.randint(100, 40000, (200,)).tolist(), args.new_tokens
+
+    def unwrapped(f):  # the loop without its decorators, run under inference_mode only
+        while hasattr(f, "__wrapped__"):
+            f = f.__wrapped__
+        return torch.inference_mode()(f)
+
+    ev.spec_decode(target, drafter, prompt, 32, 16, set())  # warm-up
+    for label, spec, plain in (("eval (no cuDNN)", ev.spec_decode, ev.plain_decode),
+                               ("torch default", unwrapped(ev.spec_decode), unwrapped(ev.plain_decode))):
+        for rep in (1, 2):
+            times = dict.fromkeys(ev.TIME_KEYS, 0.0)
+            _, committed, _, _ = spec(target, drafter, prompt, n, 16, set(), times=times)
+            c = len(committed)
+            split = ", ".join(f"{k} {1e3 * times[k] / c:.1f}" for k in ("draft", "verify", "other"))
+            row("decode", f"{label}, pass {rep}: spec cycle, block 16", f"{1e3 * sum(times[k] for k in ('draft', 'verify', 'other')) / c:.1f} ms",
+                split)
+            sync()
+            t = time.perf_counter()
+            out = plain(target, prompt, n, set())
+            sync()
+            row("decode", f"{label}, pass {rep}: plain step", f"{1e3 * (time.perf_counter() - t) / len(out):.1f} ms")
+
+
 ALL = [["ceilings"], ["drafter", "--preset", "27b", "--seq", "4096,2048", "--breakdown"],
        ["drafter", "--preset", "27b", "--eager"], ["drafter", "--preset", "8b", "--seq", "3072", "--breakdown"],
        ["target", "--model", "8b"], ["target", "--model", "27b"], ["e2e", "--model", "8b"]]
@@ -407,8 +453,8 @@ ALL = [["ceilings"], ["drafter", "--preset", "27b", "--seq", "4096,2048", "--bre
 def run_all(args):
     """Every case in a fresh process (no compile state, memory or fla import shared), then one table."""
     rows, failed = [], []
-    cases = ALL + [["target", "--model", "27b", "--no-fla"]]  # the last one: transformers' torch fallback kernels
-    for case in [cases[int(i)] for i in args.cases.split(",")] if args.cases else ALL:
+    cases = ALL + [["target", "--model", "27b", "--no-fla"], ["decode"]]  # 7: transformers' torch fallback kernels
+    for case in [cases[int(i)] for i in args.cases.split(",")] if args.cases else ALL + [["decode"]]:
         print(f"\n$ python bench.py {' '.join(case)}", flush=True)
         out = f"/tmp/bench-{os.getpid()}.json"
         try:
@@ -430,7 +476,8 @@ def run_all(args):
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", nargs="?", default="all", choices=["all", "ceilings", "drafter", "target", "e2e"])
+    ap.add_argument("what", nargs="?", default="all", choices=["all", "ceilings", "drafter", "target", "e2e",
+                                                                   "decode"])
     ap.add_argument("--preset", default="27b", choices=list(PRESETS))
     ap.add_argument("--model", default="8b", choices=list(TARGETS))
     ap.add_argument("--seq", default="4096", help="drafter: comma-separated sequence lengths")
@@ -438,17 +485,18 @@ if __name__ == "__main__":
     ap.add_argument("--anchors", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=64, help="objective chunk, in blocks")
     ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--new_tokens", type=int, default=128, help="decode: tokens per loop")
     ap.add_argument("--eager", action="store_true", help="drafter layers uncompiled (the 'before')")
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-fla", dest="no_fla", action="store_true", help="27b: transformers' torch fallback kernels")
-    ap.add_argument("--cases", default="", help="all: indices into ALL (+ 7 = 27b --no-fla), e.g. 0,1,2; default ALL")
+    ap.add_argument("--cases", default="", help="all: indices into ALL (+ 7 = 27b --no-fla, 8 = decode), e.g. 0,1,2; default ALL + decode")
     ap.add_argument("--case-timeout", dest="case_timeout", type=int, default=300, help="all: seconds per case")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args()
     try:
         {"all": run_all, "ceilings": bench_ceilings, "drafter": bench_drafter, "target": bench_target,
-         "e2e": bench_e2e}[args.what](args)
+         "e2e": bench_e2e, "decode": bench_decode}[args.what](args)
     finally:
         if args.json:
             with open(args.json, "w") as f:
