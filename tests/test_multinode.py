@@ -80,4 +80,8 @@ def test_kill_on_node1_ends_both_nodes(tiny_target, convs, tmp_path):
     outs = [q.communicate(timeout=120) for q in procs]
     assert all(q.returncode != 0 for q in procs), [q.returncode for q in procs]
     assert time.time() - t0 < 60 + 30  # 30 s of process start-up for 6 ranks on 2 cores, then < 60 s
-    assert "Signal 9" in "".join(e for _, e in outs) or "SIGKILL" in "".join(e for _, e in outs)
+    err = "".join(e for _, e in outs)
+    # node 1's torchrun names the kill. Once (full suite, 2 cores) its own report crashed instead, on a torn error file
+    # of a worker it was terminating (json.decoder.JSONDecodeError inside torch.distributed.elastic): a race in the
+    # launcher. The failure was still loud; then a surviving rank's FAILED line must say so.
+    assert "Signal 9" in err or "SIGKILL" in err or ("JSONDecodeError" in err and "FAILED: " in err), err[-3000:]
