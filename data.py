@@ -555,17 +555,29 @@ def _write_back(raw, msgs):
     return raw
 
 
+def _jsonl_lines(path, keepends=False):
+    """The lines of a JSONL file, cut at "\n" only (see merge_parts)."""
+    lines = Path(path).read_text(encoding="utf-8").split("\n")[:-1]
+    return [x + "\n" for x in lines] if keepends else lines
+
+
 def merge_parts(out_path, world):
-    """Interleave `<out>.part{r}of{world}` back into input order; atomic rename into out_path."""
-    parts = [Path(f"{out_path}.part{r}of{world}").read_text(encoding="utf-8").splitlines(keepends=True)
-             for r in range(world)]
+    """Interleave `<out>.part{r}of{world}` back into input order; atomic rename into out_path.
+    Lines are cut at "\n" only: json.dumps(ensure_ascii=False) leaves U+2028, U+0085, ... raw in sampled text, and
+    str.splitlines() would cut a record there (seen once: 8,790 sampled answers would not merge)."""
+    files = [Path(f"{out_path}.part{r}of{world}") for r in range(world)]
+    parts = [_jsonl_lines(f) for f in files]
+    for f, p in zip(files, parts):  # record i went to rank i % world: rank 0 holds the most, at most one more
+        if not len(parts[0]) - 1 <= len(p) <= len(parts[0]):
+            raise ValueError(f"{f}: {len(p)} records, but {files[0].name} has {len(parts[0])}: a part is "
+                             f"incomplete (rerun to resume it) or not of this run")
     tmp = Path(f"{out_path}.tmp{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
         for i in range(sum(map(len, parts))):
-            f.write(parts[i % world][i // world])  # record i went to rank i % world
+            f.write(parts[i % world][i // world] + "\n")
     os.replace(tmp, out_path)
-    for r in range(world):
-        os.remove(f"{out_path}.part{r}of{world}")
+    for f in files:
+        os.remove(f)
 
 
 def _regen_worker(rank, world, model_path, in_path, out_path, device, kw):
@@ -679,11 +691,11 @@ def prepare_demo(cache_dir=None, n_train=None, n_eval=None, max_new_tokens=None,
     # distinct prompts only: chitchat repeats greetings ("hello?" is 224 of the first 3,000 train prompts), and greedy
     # answers to a repeated prompt repeat too. Held-out prompts are also never the text of any train prompt: the
     # split is by conversation, so without this 41% of the first 128 held-out prompts were seen in training.
-    train_lines = train_prompts.read_text(encoding="utf-8").splitlines(keepends=True)
+    train_lines = _jsonl_lines(train_prompts, keepends=True)
     seen_in_train = {_prompt_key(x) for x in train_lines}
     subsets = {}
     for name, lines, n, exclude in (("train", train_lines, n_train, set()),
-                                    ("eval", eval_prompts.read_text(encoding="utf-8").splitlines(keepends=True),
+                                    ("eval", _jsonl_lines(eval_prompts, keepends=True),
                                      n_eval, seen_in_train)):
         subsets[name] = cache / f"chitchat_prompts_{name}_u{n}.jsonl"
         if not subsets[name].exists():
@@ -716,7 +728,7 @@ def _add_samples(greedy, prompts, samples, temperature, target, device, procs, *
     src = out.with_name(f"{out.stem}.prompts.jsonl")  # each prompt `samples` times, ids made distinct
     with open(src, "w", encoding="utf-8") as f:
         for k in range(samples):
-            for line in prompts.read_text(encoding="utf-8").splitlines():
+            for line in _jsonl_lines(prompts):
                 rec = json.loads(line)
                 rec["id"] = f"{rec.get('id', '')}#s{k + 1}"
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")

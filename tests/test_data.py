@@ -399,6 +399,24 @@ def test_regenerate_resume_and_shards(tmp_path, tiny):
     assert (tmp_path / "two.jsonl").read_text() == ref
     assert not list(tmp_path.glob("*.part*"))
 
+def test_merge_parts_keeps_unicode_line_separators(tmp_path):
+    """Sampled answers can hold U+2028, U+0085, ... (json.dumps(ensure_ascii=False) leaves them raw); a record is one
+    "\n"-ended line all the same. A part that cannot be of the same run is an error naming it."""
+    texts = ["a\u2028b", "c\x85d", "e\x1cf\u2029", "g\x0bh\x0ci", "j"]
+    recs = [json.dumps({"messages": [{"role": "user", "content": t}]}, ensure_ascii=False) + "\n" for t in texts]
+    assert len("".join(recs).splitlines()) > len(recs)  # what splitlines would have done
+    for r in range(2):
+        (tmp_path / f"o.jsonl.part{r}of2").write_text("".join(recs[r::2]), encoding="utf-8")
+    data.merge_parts(tmp_path / "o.jsonl", 2)
+    assert (tmp_path / "o.jsonl").read_text(encoding="utf-8") == "".join(recs)
+    assert [json.loads(x)["messages"][0]["content"] for x in data._jsonl_lines(tmp_path / "o.jsonl")] == texts
+    (tmp_path / "p.jsonl.part0of2").write_text("".join(recs[:3]), encoding="utf-8")
+    (tmp_path / "p.jsonl.part1of2").write_text(recs[3], encoding="utf-8")
+    with pytest.raises(ValueError, match=r"p.jsonl.part1of2: 1 records, but p.jsonl.part0of2 has 3"):
+        data.merge_parts(tmp_path / "p.jsonl", 2)
+    assert not (tmp_path / "p.jsonl").exists() and (tmp_path / "p.jsonl.part0of2").exists()  # nothing lost
+
+
 def test_regenerate_sampled_is_seeded_and_resumes(tmp_path, tiny):
     """temperature > 0 samples (answers differ from greedy), reproducibly: the same seed gives the same file, also
     when a crashed run resumes mid-file or the records are split over two ranks; another seed gives another."""
