@@ -690,7 +690,10 @@ def prepare_demo(cache_dir=None, n_train=None, n_eval=None, max_new_tokens=None,
     n_train, n_eval = n_train or preset["n_train"], n_eval or preset["n_eval"]
     max_new_tokens, batch_size = max_new_tokens or preset["max_new_tokens"], batch_size or preset["batch_size"]
     samples = preset["samples"] if samples is None else samples
-    sample_temperature = sample_temperature or preset["sample_temperature"]
+    sample_temperature = preset["sample_temperature"] if sample_temperature is None else sample_temperature
+    if samples > 0 and not sample_temperature > 0:
+        raise ValueError(f"sample_temperature={sample_temperature}: sampled answers need a temperature > 0 "
+                         f"(the greedy answers are already in the corpus)")
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     target = convert_gguf(gguf or smollm2_gguf(), cache / "smollm2-135m-instruct")
     _, train_prompts, eval_prompts = write_chitchat(cache)

@@ -511,6 +511,8 @@ def test_prepare_demo_with_samples(tmp_path, target_dir):
     assert (tmp_path / "chitchat_train.jsonl").read_text() == out["train"].read_text()
     assert not list(tmp_path.glob("*.prompts.jsonl")) and not list(tmp_path.glob("*.part*"))
     assert data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8, samples=2, sample_temperature=1.0) == out
+    with pytest.raises(ValueError, match="sample_temperature=0"):
+        data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8, samples=1, sample_temperature=0)
 
 
 def test_cli_tokenize(tmp_path, capsys, target_dir):
