@@ -451,7 +451,8 @@ def load_target(path, device="cpu", dtype=None):
 @torch.no_grad()
 def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs, max_batch_tokens=131072, temperature=0.0):
     """Greedy (or sampled at `temperature`: plain softmax, no top-k/top-p), batched with left padding
-    -> (texts cut before eos, #tokens incl. eos, #unfinished).
+    -> (texts cut before eos, #tokens incl. eos, #unfinished, #prompts that with max_new_tokens pass the target's
+    context, max_position_embeddings: their answers are generated past it, which the model never saw in training).
 
     Prompts are sorted by length and cut into sub-batches of at most max_batch_tokens padded tokens
     (rows x (longest prompt + max_new_tokens)): similar lengths pad less, and one long prompt no longer
@@ -459,6 +460,8 @@ def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs, max_ba
     texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True, **template_kwargs)
              for p in prompts]
     lengths = [len(x) for x in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    context = getattr(model.config, "max_position_embeddings", None) or float("inf")
+    over_context = sum(n + max_new_tokens > context for n in lengths)
     groups, cur = [], []
     for i in sorted(range(len(texts)), key=lambda i: lengths[i]):
         if cur and (len(cur) + 1) * (lengths[i] + max_new_tokens) > max_batch_tokens:
@@ -480,7 +483,7 @@ def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs, max_ba
             unfinished += n == len(row)
             n_tokens += min(n + 1, len(row))
             answers[i] = tokenizer.decode(row[:n], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    return answers, n_tokens, unfinished
+    return answers, n_tokens, unfinished, over_context
 
 
 def _complete_lines(path):
@@ -506,14 +509,15 @@ def regenerate(model, tokenizer, in_path, out_path, batch_size=16, max_new_token
     the record's format (OpenAI or ShareGPT) are kept. This rank takes records rank::world and
     appends them, one batch at a time, to `<out>.part{rank}of{world}`; a rerun resumes after the
     last complete line. `merge_parts` joins the parts into out_path. Answers that hit
-    max_new_tokens are kept (truncated) and counted. Returns stats incl. generated tokens/s.
+    max_new_tokens are kept (truncated) and counted; so are prompts that pass the target's context. Returns stats incl. generated tokens/s.
     """
     recs, report = _read(in_path, skip_invalid, require_assistant=False)
     print(report.summary())
     mine = recs[rank::world]
     part = Path(f"{out_path}.part{rank}of{world}")
     done = _complete_lines(part)
-    stats = {"records": len(mine), "resumed_at": done, "tokens": 0, "seconds": 0.0, "unfinished": 0}
+    stats = {"records": len(mine), "resumed_at": done, "tokens": 0, "seconds": 0.0, "unfinished": 0,
+             "over_context": 0}
     with open(part, "a", encoding="utf-8") as f:
         for b in range(done, len(mine), batch_size):
             convs = [[dict(m) for m in msgs] for _, _, msgs in mine[b:b + batch_size]]
@@ -526,13 +530,19 @@ def regenerate(model, tokenizer, in_path, out_path, batch_size=16, max_new_token
             while any(todo):  # round r regenerates the r-th assistant turn of every record that has one
                 rows = [(c, t.pop(0)) for c, t in zip(convs, todo) if t]
                 t0 = time.perf_counter()
-                answers, n, unfinished = _generate(model, tokenizer, [c[:i] for c, i in rows], max_new_tokens,
-                                                   template_kwargs, temperature=temperature)
+                answers, n, unfinished, over = _generate(model, tokenizer, [c[:i] for c, i in rows], max_new_tokens,
+                                                         template_kwargs, temperature=temperature)
                 if model.device.type == "cuda":
                     torch.cuda.synchronize(model.device)
                 stats["seconds"] += time.perf_counter() - t0
                 stats["tokens"] += n
                 stats["unfinished"] += unfinished
+                stats["over_context"] += over
+                if over:  # kept (the record stays whole), but said: such an answer is not the model's usual text
+                    print(f"regenerate rank {rank}/{world}: WARNING {over} prompt(s) of records {b}-"
+                          f"{b + len(convs) - 1} (of this rank) + {max_new_tokens} new tokens pass the target's "
+                          f"context of {model.config.max_position_embeddings} positions; answers kept, counted "
+                          f"in over_context")
                 for (c, i), a in zip(rows, answers):
                     c[i]["content"] = a
             for (_, raw, _), c in zip(mine[b:b + batch_size], convs):

@@ -553,3 +553,24 @@ def test_generate_token_budget_keeps_answers_and_order(target):
     whole = data._generate(model, tok, prompts, 10, {}, max_batch_tokens=10**9)
     alone = data._generate(model, tok, prompts, 10, {}, max_batch_tokens=1)  # one prompt per sub-batch
     assert whole == alone and len(whole[0]) == 3 and whole[0][1] != whole[0][0]
+    assert whole[3] == 0
+
+
+def test_regenerate_counts_prompts_past_the_context(tmp_path, tiny, capsys):
+    """A prompt that, with max_new_tokens, passes max_position_embeddings is answered and kept, but counted and said
+    (chitchat holds two train prompts of 16k and 24k tokens; SmolLM2's context is 8,192)."""
+    model, tok = tiny
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": c}]}) + "\n"
+                           for c in ("Hi", "word " * 40, "Yo")))
+    n_long = len(tok(tok.apply_chat_template([{"role": "user", "content": "word " * 40}], tokenize=False,
+                                             add_generation_prompt=True), add_special_tokens=False)["input_ids"])
+    context, model.config.max_position_embeddings = model.config.max_position_embeddings, n_long + 2
+    try:  # 4 new tokens pass the context for the long prompt only
+        stats = data.regenerate(model, tok, src, tmp_path / "o.jsonl", batch_size=2, max_new_tokens=4)
+    finally:
+        model.config.max_position_embeddings = context
+    assert stats["over_context"] == 1
+    assert "WARNING 1 prompt(s) of records 0-1" in capsys.readouterr().out
+    data.merge_parts(tmp_path / "o.jsonl", 1)
+    assert len(data._jsonl_lines(tmp_path / "o.jsonl")) == 3
