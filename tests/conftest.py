@@ -57,17 +57,21 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_train(tiny_target, convs, out, nproc, *args, env=None, timeout=300, torchrun_args=(), wait=True):
+def run_train(tiny_target, convs, out, nproc, *args, env=None, timeout=300, torchrun_args=(), wait=True,
+              fail=None):
+    """train.py on the tiny target, as `python train.py` (nproc 1) or under torchrun. fail="RANK:STEP[:HOW]" runs
+    it through tests/faults.py, which injects that fault (see there)."""
     base = [f"--target={tiny_target}", f"--data={convs}", f"--out_dir={out}", "--run_name=r", "--device=cpu",
             "--dtype=float32", "--mask_token=<empty_output>", "--drafter_layers=2", "--target_features=3",
             "--sliding_layers=1", "--sliding_window=16", "--block_size=4", "--num_anchors=8", "--max_length=64",
             "--pad_multiple=16", "--log_every=1", "--warmup_ratio=0", "--lr=1e-3", "--batch_size=1"]
+    script = [str(ROOT / "train.py")] if fail is None else [str(ROOT / "tests" / "faults.py"), fail]
     if nproc == 1:
-        cmd = [sys.executable, str(ROOT / "train.py")]
+        cmd = [sys.executable, *script]
     else:
         rdzv = list(torchrun_args) or [f"--master_port={free_port()}"]
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *rdzv,
-               "--max_restarts=0", str(ROOT / "train.py")]
+               "--max_restarts=0", *script]
     e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     if not wait:  # caller collects: p.communicate()
         return subprocess.Popen(cmd + base + list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+import pipeline
 import train
 from conftest import ROOT, free_port, run_train
 
@@ -21,10 +22,10 @@ def test_route_keeps_traffic_on_node_and_in_order(nnodes, T, D, accum):
     seen = {r: [] for r in targets + drafters}
     steps = 6
     for m in range(steps * len(drafters) * accum):
-        src, dst, k = train.route(m, targets, drafters, nnodes, accum)
+        src, dst, k = pipeline.route(m, targets, drafters, nnodes, accum)
         assert src in targets and dst in drafters and node(src) == node(dst)  # hidden states stay on the node
         assert dst == drafters[m % len(drafters)]  # drafters take micro-batches round-robin
-        assert train.node_micro_batch(k, node(dst), nnodes, len(drafters), accum) == m  # the inverse
+        assert pipeline.node_micro_batch(k, node(dst), nnodes, len(drafters), accum) == m  # the inverse
         seen[src].append(m)
         seen[dst].append(m)
     for r, ms in seen.items():
@@ -50,10 +51,10 @@ def test_plan_tables_need_no_gpu():
             assert all(int(q) // 8 == int(node) for q in peers.split(","))
 
 
-def two_nodes(tiny_target, convs, out, *args, env=None):
+def two_nodes(tiny_target, convs, out, *args, fail=None):
     port = free_port()
     rdzv = ["--nnodes=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=dflash-test"]
-    return [run_train(tiny_target, convs, out, 3, "--target_ranks=2", "--drafter_ranks=1", *args, env=env,
+    return [run_train(tiny_target, convs, out, 3, "--target_ranks=2", "--drafter_ranks=1", *args, fail=fail,
                       torchrun_args=rdzv + [f"--node_rank={n}"], wait=False) for n in (0, 1)]
 
 
@@ -76,7 +77,7 @@ def test_two_nodes_match_one_node(tiny_target, convs, tmp_path):
 def test_kill_on_node1_ends_both_nodes(tiny_target, convs, tmp_path):
     t0 = time.time()
     # global rank 5 is node 1's drafter: SIGKILL it at step 2
-    procs = two_nodes(tiny_target, convs, tmp_path, "--max_steps=200", env={"DFLASH_FAIL_AT": "5:2:kill"})
+    procs = two_nodes(tiny_target, convs, tmp_path, "--max_steps=200", fail="5:2:kill")
     outs = [q.communicate(timeout=120) for q in procs]
     assert all(q.returncode != 0 for q in procs), [q.returncode for q in procs]
     assert time.time() - t0 < 60 + 30  # 30 s of process start-up for 6 ranks on 2 cores, then < 60 s

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import train
+from pipeline import Dist
 from conftest import ROOT, run_train
 
 SPLIT = ("--target_ranks=2", "--drafter_ranks=1")
@@ -116,7 +117,7 @@ def test_crash_in_checkpoint_write_keeps_newest_and_resume_is_exact_split(tiny_t
     straight = records(tmp_path / "straight")
 
     out = tmp_path / "crash"
-    p, _ = run_train(tiny_target, convs, out, 3, *args, env={"DFLASH_FAIL_AT": "2:4:ckpt"})
+    p, _ = run_train(tiny_target, convs, out, 3, *args, fail="2:4:ckpt")
     assert p.returncode != 0 and "SIGKILL" in p.stderr
     run = out / "r"
     assert train.list_ckpts(run) == ["ckpt-0000002"]
@@ -145,7 +146,7 @@ def test_checkpoint_write_failure_keeps_earlier_ones(tmp_path, monkeypatch):
     """A failed write (here: the disk is full while torch.save runs) raises, removes its .tmp and leaves the
     earlier checkpoints alone; rewriting an existing step swaps it out instead of deleting it first."""
     cfg = train.Config(keep_ckpts=2)
-    d = train.Dist(0, 1, torch.device("cpu"), [0], [0], 1, None, None, None)
+    d = Dist(0, 1, torch.device("cpu"), [0], [0], 1, None, None, None)
     from model import DFlashDrafter, DrafterConfig
     dcfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                          num_key_value_heads=1, head_dim=16, vocab_size=128, mask_token_id=3,
@@ -178,7 +179,7 @@ def test_checkpoint_write_failure_keeps_earlier_ones(tmp_path, monkeypatch):
 def _optimizer(dtype):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8).to(dtype)
-    d = train.Dist(0, 1, torch.device("cpu"), [0], [0], 1, None, None, None)
+    d = Dist(0, 1, torch.device("cpu"), [0], [0], 1, None, None, None)
     return model, train.Optimizer(train.Config(), model, d)
 
 
@@ -208,7 +209,7 @@ def test_nonfinite_step_is_skipped_counted_and_logged(tiny_target, convs, tmp_pa
     """One NaN loss at step index 2 (the 3rd step): skipped, counted, logged at once; training continues and
     the optimizer applied 4 of 5 updates; no checkpoint holds a bad step."""
     p, _ = run_train(tiny_target, convs, tmp_path, 1, "--max_steps=5", "--ckpt_every=1", "--keep_ckpts=5",
-                     env={"DFLASH_FAIL_AT": "0:2:nan"})
+                     fail="0:2:nan")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "step=3/5 SKIPPED: non-finite loss=nan" in p.stdout and "done: 5 steps, 1 skipped" in p.stdout
     rows = records(tmp_path)
@@ -225,7 +226,7 @@ def test_consecutive_nonfinite_steps_stop_the_run_naming_last_good_checkpoint(ti
     through the all-reduce, both drafters skip the same steps, and after max_bad_steps=3 the job stops with the
     path of the last good checkpoint."""
     p, secs = run_train(tiny_target, convs, tmp_path, 3, "--max_steps=50", "--ckpt_every=2", "--max_bad_steps=3",
-                        "--target_ranks=1", "--drafter_ranks=2", env={"DFLASH_FAIL_AT": "2:2+:nan"})
+                        "--target_ranks=1", "--drafter_ranks=2", fail="2:2+:nan")
     assert p.returncode != 0
     good = str(tmp_path / "r" / "ckpt-0000002")
     assert f"3 consecutive steps with a non-finite loss or grad norm (steps 3-5" in p.stderr

@@ -11,6 +11,7 @@ import torch
 import train
 from conftest import free_port, run_train
 from model import build_target_layer_ids
+from pipeline import Capture
 
 
 def metrics(out):
@@ -59,14 +60,14 @@ def _capture_check(rank, world, port, tiny_target, ids, ref, shard):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     cfg = train.Config(target=str(tiny_target), device="cpu", target_ranks=world - 1, drafter_ranks=1,
                        target_shard=shard, mask_token="<empty_output>", drafter_layers=2, target_features=3,
-                       sliding_layers=0)
-    d = train.setup_dist(cfg)
+                       sliding_layers=0, dtype="float32")
+    d = train.setup_dist(cfg, train.torchrun_env())
     from model import DrafterConfig
     dcfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, vocab_size=49152, mask_token_id=16,
                          target_layer_ids=[0, 2, 3], num_target_layers=6)
     if d.is_target:
-        cap = train.Capture(train.load_target(cfg, dcfg, d, torch.float32), dcfg.target_layer_ids)
+        cap = Capture(train.load_target(cfg, dcfg, d), dcfg.target_layer_ids)
         got = cap(ids)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
         if shard == "fsdp":  # really sharded: this rank holds only its chunk of each weight
@@ -130,7 +131,7 @@ def test_resume_is_exact(tiny_target, convs, tmp_path):
 
 def test_rank_failure_ends_job_fast(tiny_target, convs, tmp_path):
     p, secs = run_train(tiny_target, convs, tmp_path, 3, "--max_steps=50", "--target_ranks=2", "--drafter_ranks=1",
-                        env={"DFLASH_FAIL_AT": "2:2"}, timeout=120)
+                        fail="2:2", timeout=120)
     assert p.returncode != 0
     assert "[rank 2 (drafter)] FAILED" in p.stderr and "injected failure" in p.stderr
     assert secs < 60, secs

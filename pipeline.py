@@ -1,0 +1,423 @@
+"""
+How the processes of a run are organized, and everything that knows about ranks (train.py holds the recipe).
+
+torchrun starts one process per GPU. `assign_roles` makes each a target rank or a drafter rank (one process: both);
+`setup_dist` builds the process groups and returns them in a frozen `Dist`, the one object passed around.
+
+- The frozen target: `target_decoder` builds its decoder on the meta device, only up to the deepest captured layer
+  (later layers and the LM head are never built nor run); `fill_target` materializes it on this rank's device and
+  reads the checkpoint one tensor at a time, copying only this rank's FSDP2 shard, so peak host memory is one full
+  tensor. How it is sharded is train.py's `load_target` (what the model is stays apart from how it is parallelized,
+  as in torchtitan). `Capture` runs it and returns the residual stream after the chosen layers; `frozen_tables` are
+  the embedding and LM head the drafter shares.
+- The static schedule, so every rank knows whom it talks to and nobody needs a coordinator: micro-batch m (a global
+  counter) belongs to optimizer step m // (drafters * grad_accum); `route` names the target rank that prefills it
+  and the drafter rank that trains on it. Every rank walks its micro-batches in increasing m, so the lowest
+  outstanding transfer can always proceed. `run_target` is a target rank's whole life, `Receiver` the drafter's end
+  of the transfer, `Colocated` both in one process (one GPU, or CPU).
+
+Test: python -m pytest -q tests/test_train.py tests/test_multinode.py
+"""
+
+import ctypes
+import datetime
+import json
+import math
+import os
+import signal
+import sys
+import time
+from collections import deque, namedtuple
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# -----------------------------------------------------------------------------
+# processes, roles and groups
+
+
+TorchrunEnv = namedtuple("TorchrunEnv", "rank world local_rank local_world run_id error_file")
+
+
+def torchrun_env():
+    """What torchrun tells a worker, read in this one place (no torchrun: one process)."""
+    e = os.environ
+    world = int(e.get("WORLD_SIZE", "1"))
+    return TorchrunEnv(int(e.get("RANK", "0")), world, int(e.get("LOCAL_RANK", "0")),
+                       int(e.get("LOCAL_WORLD_SIZE", world)), e.get("TORCHELASTIC_RUN_ID"),
+                       e.get("TORCHELASTIC_ERROR_FILE"))
+
+
+def assign_roles(world, cfg, local_world=None):
+    """-> (target ranks, drafter ranks), global ranks. One process: both roles on rank 0 (colocated).
+    Several nodes: every node gets the same split, its first target_ranks local ranks hold the target (torchrun
+    numbers ranks node by node), so each node's targets feed only that node's drafters, over NVLink."""
+    if world == 1:
+        return [0], [0]
+    local_world = local_world or world
+    if world % local_world:
+        raise ValueError(f"world size {world} is not a multiple of the processes per node ({local_world})")
+    if cfg.target_ranks + cfg.drafter_ranks != local_world:
+        raise ValueError(f"target_ranks ({cfg.target_ranks}) + drafter_ranks ({cfg.drafter_ranks}) must equal "
+                         f"the world size ({world})" if local_world == world else
+                         f"the processes per node ({local_world})")
+    if cfg.target_ranks < 1 or cfg.drafter_ranks < 1:
+        raise ValueError("need at least one target rank and one drafter rank")
+    nodes = range(0, world, local_world)
+    return ([n + i for n in nodes for i in range(cfg.target_ranks)],
+            [n + i for n in nodes for i in range(cfg.target_ranks, local_world)])
+
+
+def role_of(rank, targets, drafters):
+    return "target+drafter" if rank in targets and rank in drafters else "target" if rank in targets else "drafter"
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world: int
+    device: torch.device
+    targets: list  # global ranks with the target role
+    drafters: list  # global ranks with the drafter role
+    nnodes: int  # torchrun nodes (WORLD_SIZE / LOCAL_WORLD_SIZE)
+    target_mesh: object  # DeviceMesh over this node's targets (None when colocated or replicated)
+    drafter_group: object  # process group over drafters (None when colocated)
+    transport: object  # process group used only for target -> drafter sends
+
+    is_target = property(lambda self: self.rank in self.targets)
+    is_drafter = property(lambda self: self.rank in self.drafters)
+    leader = property(lambda self: self.rank == self.drafters[0])  # the drafter rank that logs and checkpoints
+
+
+def setup_dist(cfg, env):
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(env.local_rank)  # before any NCCL call, or P2P can hang (batch_isend_irecv docs)
+    device = torch.device("cuda", env.local_rank) if use_cuda else torch.device("cpu")
+    targets, drafters = assign_roles(env.world, cfg, env.local_world)
+    nnodes = env.world // env.local_world
+    if env.world == 1:
+        return Dist(env.rank, 1, device, targets, drafters, 1, None, None, None)
+    timeout = datetime.timedelta(seconds=cfg.transport_timeout)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout, device_id=device if use_cuda else None)
+    # every rank builds every group, in this order (SPMD: a mismatch hangs silently). The target is sharded within
+    # each node and replicated across nodes: it is frozen, so replicas never synchronize, and its per-forward
+    # all-gathers stay on NVLink (README "Across nodes" has the arithmetic).
+    from torch.distributed.device_mesh import DeviceMesh
+    T = len(targets) // nnodes
+    node_groups = [dist.new_group(targets[n * T:(n + 1) * T]) for n in range(nnodes)]
+    target_mesh = None
+    if cfg.target_shard == "fsdp" and env.rank in targets:
+        target_mesh = DeviceMesh.from_group(node_groups[targets.index(env.rank) // T], device.type)
+    drafter_group = dist.new_group(drafters)
+    transport = dist.new_group(list(range(env.world)), timeout=timeout)
+    dist.barrier(group=transport)  # creates the transport communicator on every rank now, not mid-run
+    return Dist(env.rank, env.world, device, targets, drafters, nnodes, target_mesh, drafter_group, transport)
+
+
+def teardown_dist(d):
+    if d is not None and d.world > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def reduce_stats(s, d):
+    """Sum a dict of float64 tensors over the drafter ranks, in one all-reduce."""
+    if len(d.drafters) == 1:
+        return s
+    flat = torch.cat([v.reshape(-1) for v in s.values()]).to(d.device)
+    dist.all_reduce(flat, group=d.drafter_group)
+    parts = flat.cpu().split([v.numel() for v in s.values()])
+    return {k: p.view_as(v) for (k, v), p in zip(s.items(), parts)}
+
+
+def die_with_launcher():
+    """Under torchrun (Linux): the kernel SIGKILLs this rank when its launcher dies. torchrun starts every worker
+    in its own session, so a `kill -9` of torchrun (or a scheduler ending the job step that way) would otherwise
+    leave the ranks running, holding their GPUs, with nobody to stop them."""
+    if torchrun_env().run_id is None or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os._exit(1)
+
+
+def report_failure(msg):
+    """Write torchrun's per-rank error file (TORCHELASTIC_ERROR_FILE, its documented format): when this rank
+    fails, the launcher's summary prints `msg` under the rank and exit code. Without torchrun: nothing."""
+    path = torchrun_env().error_file
+    if path:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": msg.splitlines()[0], "extraInfo": {
+                "py_callstack": msg, "timestamp": str(int(time.time()))}}}, f)
+
+
+def placement_table(world, local_world, cfg):
+    """The role of every rank and who sends hidden states to whom; pure (no GPU, no process group)."""
+    targets, drafters = assign_roles(world, cfg, local_world)
+    nnodes = world // local_world
+    feeds = {r: set() for r in range(world)}
+    for m in range(per_step(len(drafters), cfg.grad_accum) * max(1, len(targets)) * 2):  # covers every pairing
+        src, dst, _ = route(m, targets, drafters, nnodes, cfg.grad_accum)
+        feeds[src].add(dst)
+        feeds[dst].add(src)
+    lines = [f"placement: {nnodes} node(s) x {local_world} processes: {len(targets) // nnodes} target + "
+             f"{len(drafters) // nnodes} drafter ranks per node; the target is FSDP-sharded within each node "
+             f"({'replicated across nodes' if nnodes > 1 else 'one replica'}); the drafter is data-parallel over "
+             f"all {len(drafters)} drafter ranks",
+             "  rank  node  local  role            sends to / receives from"]
+    for r in range(world):
+        arrow = "" if world == 1 else ("-> " if r in targets else "<- ") + ",".join(map(str, sorted(feeds[r])))
+        lines.append(f"  {r:4d}  {r // local_world:4d}  {r % local_world:5d}  {role_of(r, targets, drafters):14s}  "
+                     f"{arrow}")
+    if nnodes > 1:
+        lines.append("  across nodes: only the drafter gradient all-reduce (hidden states and target all-gathers "
+                     "stay inside each node)")
+    return "\n".join(lines)
+
+# -----------------------------------------------------------------------------
+# building and loading
+
+
+class Weights:
+    """Tensors of an HF checkpoint folder, read one at a time (never the whole model in host memory)."""
+
+    def __init__(self, path):
+        from safetensors import safe_open
+        idx = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(idx):
+            with open(idx) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = ["model.safetensors"]
+        self.where = {}
+        for name in files:
+            h = safe_open(os.path.join(path, name), "pt")
+            self.where.update({k: h for k in h.keys()})
+
+    def get(self, key):
+        """A text-model tensor, in whatever spelling the checkpoint uses (VLMs nest it under model.language_model)."""
+        for name in (key, key.replace("model.", "model.language_model.", 1), key.replace("model.", "", 1)):
+            if name in self.where:
+                return self.where[name].get_tensor(name)
+        raise KeyError(f"tensor {key!r} not found in the target checkpoint")
+
+
+def target_decoder(path, n_layers, dtype):
+    """The target's decoder with its first n_layers only, on the meta device, frozen, in eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    tc = AutoConfig.from_pretrained(path, trust_remote_code=False).get_text_config()
+    tc.num_hidden_layers = n_layers
+    if getattr(tc, "layer_types", None):
+        tc.layer_types = tc.layer_types[:n_layers]
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(tc, dtype=dtype).get_decoder()  # no lm_head
+    return base.requires_grad_(False).eval()
+
+
+def fill_target(base, path, device, dtype, mesh=None, verbose=False):
+    """Materialize `base` (already sharded, or not) on `device` and copy in the checkpoint, this rank's shard only."""
+    base.to_empty(device=device)
+    w, t0 = Weights(path), time.time()
+    params = dict(base.named_parameters())
+    for i, (name, p) in enumerate(params.items()):
+        full = w.get("model." + name).to(dtype)
+        if hasattr(p, "to_local"):  # FSDP2 DTensor: this mesh rank's dim-0 chunk, as fully_shard splits it
+            chunks, r = torch.chunk(full, mesh.size(), dim=0), mesh.get_local_rank()
+            p.to_local().copy_(chunks[r] if r < len(chunks) else full[:0])
+        else:
+            p.data.copy_(full)
+        if verbose and (i + 1) % max(1, len(params) // 5) == 0:
+            print(f"  target weights {i + 1}/{len(params)} ({time.time() - t0:.0f}s)", flush=True)
+    for mname, mod in base.named_modules():
+        for bname, buf in mod._buffers.items():
+            if buf is not None and bname not in mod._non_persistent_buffers_set:
+                buf.copy_(w.get("model." + (f"{mname}.{bname}" if mname else bname)))
+    _reinit_nonpersistent_buffers(base)
+    return base
+
+
+def _reinit_nonpersistent_buffers(model):
+    """to_empty leaves non-persistent buffers (rotary inv_freq) uninitialized: rebuild them from the module's own
+    config, in fp32 on CPU, and copy. Any other such buffer is an error, never garbage."""
+    for mname, mod in model.named_modules():
+        names = [b for b in mod._non_persistent_buffers_set if mod._buffers.get(b) is not None]
+        if not names:
+            continue
+        if not hasattr(mod, "config"):
+            raise RuntimeError(f"cannot initialize non-persistent buffers {names} of {mname} ({type(mod).__name__})")
+        fresh = type(mod)(config=mod.config)
+        for b in names:
+            mod._buffers[b].copy_(fresh._buffers[b])
+
+
+def frozen_tables(path, dtype, device):
+    """Only the embedding and LM head from the target checkpoint (a tied target reuses the embedding)."""
+    w = Weights(path)
+    embed = w.get("model.embed_tokens.weight")
+    try:
+        head = w.get("lm_head.weight")
+    except KeyError:
+        head = embed
+    return embed.to(device, dtype), head.to(device, dtype)
+
+
+class Capture:
+    """Forward hooks on the decoder layers in layer_ids: id k is the OUTPUT of decoder layer k, which is HF
+    output_hidden_states[k+1]; the raw residual stream, no final norm; concatenated in id order."""
+
+    def __init__(self, base, layer_ids):
+        self.base, self.ids, self.out = base, list(layer_ids), {}
+        for i in set(self.ids):
+            base.layers[i].register_forward_hook(self._hook(i))
+
+    def _hook(self, i):
+        def hook(mod, args, output):
+            self.out[i] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    @torch.no_grad()
+    def __call__(self, input_ids_BS):
+        # right padding + causal attention: real tokens never see pads, so no attention mask is needed
+        self.base(input_ids=input_ids_BS, use_cache=False)
+        h = torch.cat([self.out[i] for i in self.ids], dim=-1)  # [B, S, K*D]
+        self.out.clear()
+        return h
+
+# -----------------------------------------------------------------------------
+# the static schedule
+
+
+def per_step(n_drafters, grad_accum):
+    """Micro-batches per optimizer step, over all drafter ranks."""
+    return n_drafters * grad_accum
+
+
+def route(m, targets, drafters, nnodes, grad_accum):
+    """Micro-batch m -> (target rank that prefills it, drafter rank that trains on it, its index k on that node).
+    Drafters take m round-robin (m % Dr); node n's micro-batches, in increasing m, are numbered k = 0, 1, ... and
+    dealt round-robin to node n's targets. One node: k == m and the target is targets[m % T]."""
+    Dr = len(drafters)
+    D, T = Dr // nnodes, len(targets) // nnodes  # per node
+    j = m % Dr
+    n, dl = divmod(j, D)
+    k = ((m // per_step(Dr, grad_accum)) * grad_accum + (m % per_step(Dr, grad_accum)) // Dr) * D + dl
+    return targets[n * T + k % T], drafters[j], k
+
+
+def node_micro_batch(k, n, nnodes, n_drafters, grad_accum):
+    """Inverse of route: the k-th micro-batch of node n -> its global index m."""
+    D = n_drafters // nnodes
+    step_acc, dl = divmod(k, D)
+    s, a = divmod(step_acc, grad_accum)
+    return s * per_step(n_drafters, grad_accum) + a * n_drafters + n * D + dl
+
+
+def drafter_schedule(d, grad_accum, start, total):
+    """The micro-batches drafter rank d.rank trains on from step `start` to `total`, in order (lazily)."""
+    Dr, i, P = len(d.drafters), d.drafters.index(d.rank), per_step(len(d.drafters), grad_accum)
+    return (m for s in range(start, total) for m in range(s * P + i, (s + 1) * P, Dr))
+
+
+def batch_at(batcher, m):
+    """Micro-batch m of the global stream: epoch m // steps_per_epoch, position m % steps_per_epoch."""
+    batcher.epoch, batcher.step = divmod(m, batcher.steps_per_epoch)
+    return next(batcher)
+
+# -----------------------------------------------------------------------------
+# the transfer: target rank -> drafter rank, point-to-point on the transport group
+
+
+def _header(batch, m, fwd_s, B):
+    """Fixed-size int64 header, so the receiver can allocate: [m, B, S, forward microseconds, lengths x B]."""
+    ids = batch["input_ids"]
+    h = torch.zeros(4 + B, dtype=torch.long)
+    h[:4] = torch.tensor([m, ids.shape[0], ids.shape[1], int(fwd_s * 1e6)])
+    h[4:4 + ids.shape[0]] = batch["lengths"]
+    return h
+
+
+def run_target(cfg, d, batcher, capture, start_step, total_steps):
+    """Target rank: prefill this node's micro-batches k = t, t + T, ... (T targets per node) from start_step to
+    total_steps, send each to its drafter, at most `prefetch` in flight. The node's target ranks run the same number
+    of forwards (FSDP all-gathers are collective): one with no micro-batch left in the last round runs a dummy."""
+    nn, Dr, A = d.nnodes, len(d.drafters), cfg.grad_accum
+    T = len(d.targets) // nn
+    n, t = divmod(d.targets.index(d.rank), T)
+    per_node = per_step(Dr // nn, A)  # micro-batches per optimizer step on one node
+    k0, k1 = start_step * per_node, total_steps * per_node
+    inflight = deque()
+    for r in range(math.ceil((k1 - k0) / T)):
+        k = k0 + r * T + t
+        if k >= k1:
+            capture(torch.zeros(1, 8, dtype=torch.long, device=d.device))
+            continue
+        m = node_micro_batch(k, n, nn, Dr, A)
+        src, dst, _ = route(m, d.targets, d.drafters, nn, A)
+        assert src == d.rank, f"schedule bug: micro-batch {m} belongs to rank {src}, not {d.rank}"
+        batch = batch_at(batcher, m)
+        t0 = time.perf_counter()
+        hidden = capture(batch["input_ids"].to(d.device))
+        if d.device.type == "cuda":  # the compute stream only: a device-wide sync would also wait for the
+            torch.cuda.current_stream().synchronize()  # previous sends, which wait for the drafter
+        fwd = time.perf_counter() - t0
+        tensors = [x.to(d.device) for x in (_header(batch, m, fwd, cfg.batch_size), batch["input_ids"],
+                                            batch["loss_mask"])] + [hidden]
+        inflight.append((tensors, [dist.isend(x, dst, group=d.transport) for x in tensors]))
+        while len(inflight) > cfg.prefetch:
+            for w in inflight.popleft()[1]:
+                w.wait()
+    while inflight:
+        for w in inflight.popleft()[1]:
+            w.wait()
+
+
+class Receiver:
+    """Drafter rank: receives its micro-batches in schedule order. Messages between two ranks match in the order
+    they were posted, so only the header of the NEXT micro-batch is posted ahead (while this one trains); the
+    payload is posted once its header says how large it is."""
+
+    def __init__(self, cfg, d, hidden_dim, dtype, schedule):
+        self.cfg, self.d, self.C, self.dtype = cfg, d, hidden_dim, dtype
+        self.todo, self.posted = iter(schedule), None
+
+    def _post_next(self):
+        m = next(self.todo, None)
+        if m is not None:
+            h = torch.zeros(4 + self.cfg.batch_size, dtype=torch.long, device=self.d.device)
+            src = route(m, self.d.targets, self.d.drafters, self.d.nnodes, self.cfg.grad_accum)[0]
+            self.posted = (m, src, h, dist.irecv(h, src, group=self.d.transport))
+
+    def get(self, m):
+        """-> (batch on this device, hidden states [B, S, C], the target's forward seconds)."""
+        if self.posted is None:
+            self._post_next()
+        mm, src, h, work = self.posted
+        self.posted = None
+        work.wait()
+        hm, B, S, fwd_us = h[:4].tolist()
+        if not hm == mm == m:
+            raise RuntimeError(f"rank {self.d.rank}: got micro-batch {hm} from rank {src}, expected {m}")
+        dev = self.d.device
+        ids, lm = (torch.empty(B, S, dtype=torch.long, device=dev) for _ in "il")
+        hidden = torch.empty(B, S, self.C, dtype=self.dtype, device=dev)
+        for w in [dist.irecv(x, src, group=self.d.transport) for x in (ids, lm, hidden)]:
+            w.wait()
+        self._post_next()
+        return {"input_ids": ids, "loss_mask": lm, "lengths": h[4:4 + B].cpu()}, hidden, fwd_us * 1e-6
+
+
+class Colocated:
+    """One process holds both roles (one GPU, or CPU): micro-batch m is read and prefilled here."""
+
+    def __init__(self, batcher, capture, device):
+        self.batcher, self.capture, self.device = batcher, capture, device
+
+    def get(self, m):
+        batch = batch_at(self.batcher, m)
+        t0 = time.perf_counter()
+        hidden = self.capture(batch["input_ids"].to(self.device))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return {k: v.to(self.device) for k, v in batch.items()}, hidden, time.perf_counter() - t0
