@@ -1,13 +1,14 @@
 """
 The DFlash drafter in plain torch, its released checkpoint format, and its training objective.
 
-A drafter (arXiv 2602.06036; DFLASH_SPEC §1) is a few Qwen3-style decoder layers. It reads the frozen target's
+A drafter (DFlash, arXiv 2602.06036) is a few Qwen3-style decoder layers. It reads the frozen target's
 hidden states at `target_layer_ids`, fuses them once (fc + hidden_norm) into context features, and every layer
 projects those features with its own k/v projections into extra keys/values placed in front of the block's own.
 Queries come only from the block: [anchor token, mask, mask, ...] at absolute positions anchor+k. The target's
 embedding and LM head are shared and frozen; they are not drafter weights.
 
-Reading order (bottom-up): helpers -> attention -> MLP -> layer -> config -> model -> checkpoint -> objective.
+Reading order (bottom-up): helpers -> attention -> MLP -> layer -> config -> model -> checkpoints -> objective.
+Training checkpoints are ckpt-<step>/ directories: the released-format drafter plus train_state.pt (resume).
 Weight names match released checkpoints (z-lab, SpecForge, vLLM, SGLang), so saving is a plain state-dict write.
 
 Test: python -m pytest -q tests/test_model.py
@@ -43,8 +44,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim, theta, scaling=None):
-    """Inverse frequencies, fp32 (spec §8.16: a bf16 inv_freq is a train/serve mismatch). Supports the rope types
-    a DFlash drafter config carries in practice; anything else is an error, never a silent approximation."""
+    """Inverse frequencies in fp32, as HF and the serving engines compute them (bf16 ones would not match). Supports
+    the rope types a DFlash drafter config carries in practice; anything else is an error, never an approximation."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
@@ -114,7 +115,7 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.H * self.hd))
 
     def forward_cached(self, x_BKD, ctx_new_BTD, cache_kv, rope_ctx, rope_blk, sliding_mask):
-        """Inference (spec §7.2): extend the context cache with new verified positions, attend one block over
+        """Inference (eval.py): extend the context cache with new verified positions, attend one block over
         [cached context ; block], keep only the context in the cache. rope_ctx / rope_blk: (cos, sin) of the new
         context and the block positions; sliding_mask: [K, start+K] bool or None; all three shared by every layer."""
         B, K, _ = x_BKD.shape
@@ -172,7 +173,7 @@ def _layer_call(layer, x, ctx, cos, sin, mask):
 _layer_compiled = torch.compile(_layer_call)
 
 # -----------------------------------------------------------------------------
-# config: exactly what the released config.json holds (DFLASH_SPEC §1.6)
+# config: exactly what the released config.json holds (the fields the authors' code, vLLM and SGLang read)
 
 
 @dataclass
@@ -228,7 +229,7 @@ class DrafterConfig:
             "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
             "initializer_range": self.initializer_range,
-            # rope_theta stays top level: the authors' MLX loader reads it as a hard key (spec §1.6)
+            # rope_theta stays top level: the authors' MLX loader reads it as a required key
             "rope_theta": self.rope_theta,
             "rope_scaling": self.rope_scaling,
             "max_position_embeddings": self.max_position_embeddings,
@@ -254,7 +255,7 @@ class DrafterConfig:
         if "mask_token_id" not in dc:
             raise ValueError(f"{where}: dflash_config.mask_token_id is missing")
         ids = dc.get("target_layer_ids", d.get("target_layer_ids"))
-        if ids is None:  # released rule from the target depth (spec §1.2)
+        if ids is None:  # released rule from the target depth
             ids = build_target_layer_ids(d["num_target_layers"], d["num_hidden_layers"])
         if d.get("rope_theta") is None and isinstance(d.get("rope_parameters"), dict):
             d["rope_theta"] = d["rope_parameters"]["rope_theta"]
@@ -352,7 +353,7 @@ class DFlashDrafter(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def _apply(self, fn, *args, **kwargs):
-        # .to(bf16) must not round the rotary frequencies (spec §8.16): recompute them in fp32 on the new device
+        # .to(bf16) must not round the rotary frequencies: recompute them in fp32 on the new device
         super()._apply(fn, *args, **kwargs)
         c = self.cfg
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(self.fc.weight.device)
@@ -366,7 +367,7 @@ class DFlashDrafter(nn.Module):
         masks: {layer_type: BlockMask or dense bool} from attention.build_masks. Returns normed hidden [B,Q,D].
         On CUDA (compile_layers, the default) each decoder layer runs compiled, flex attention inside it."""
         B, S = target_hidden_BSC.shape[:2]
-        ctx = self.hidden_norm(self.fc(target_hidden_BSC))  # computed once, shared by every layer (spec §1.1)
+        ctx = self.hidden_norm(self.fc(target_hidden_BSC))  # computed once, shared by every layer (paper §4.2)
         pos = torch.cat([torch.arange(S, device=x_BQD.device).expand(B, S), pos_blk_BQ], dim=1)  # [B, S+Q]
         cos, sin = rope_cos_sin(pos, self.inv_freq, x_BQD.dtype)
         run = _layer_compiled if self.compile_layers and x_BQD.is_cuda else _layer_call
@@ -376,7 +377,7 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
     def forward_cached(self, x_BKD, new_hidden_BTC, cache, start):
-        """Inference-style forward of one block (spec §7.2). cache: list of per-layer (k, v) for context
+        """Inference-style forward of one block (eval.py). cache: list of per-layer (k, v) for context
         positions 0..start-T-1 (None entries for an empty cache); new_hidden: target states of the newly
         verified positions start-T..start-1. Returns (normed hidden [B,K,D], new cache holding 0..start-1)."""
         K, T, dev, dt = x_BKD.shape[1], new_hidden_BTC.shape[1], x_BKD.device, x_BKD.dtype
@@ -508,7 +509,7 @@ def load_train_state(ckpt):
 
 
 # -----------------------------------------------------------------------------
-# training objective (DFLASH_SPEC §2.4-2.6, §4.1, §4.3)
+# training objective (paper §4.2, Eq. 4)
 
 
 def sample_anchors(loss_mask_BS, num_anchors, generator=None):
@@ -532,7 +533,7 @@ def sample_anchors(loss_mask_BS, num_anchors, generator=None):
 
 def block_labels(input_ids_BS, loss_mask_BS, anchors_BN, keep_BN, K, gamma):
     """Labels at the SAME position: block offset k predicts input_ids[anchor+k]; offset 0 (the clean anchor) and
-    positions >= S are unsupervised; the loss mask is read at the label position, not the anchor (spec §2.6, §8.3).
+    positions >= S are unsupervised; the loss mask is read at the label position, not the anchor.
     Returns labels [B,N,K], valid [B,N,K] bool, weights [B,N,K] = valid * exp(-(k-1)/gamma) (w_1 = 1, Eq. 4)."""
     B, S = input_ids_BS.shape
     N = anchors_BN.shape[1]
@@ -597,7 +598,7 @@ def dflash_loss(drafter, embed_VD, lm_head_VD, input_ids_BS, loss_mask_BS, hidde
     dev = input_ids_BS.device
     k = torch.arange(K, device=dev)
 
-    # blocks: [anchor token, mask, ..., mask] at absolute positions anchor+k (spec §2.5)
+    # blocks: [anchor token, mask, ..., mask] at absolute positions anchor+k
     block_ids = torch.full((B, N, K), cfg.mask_token_id, device=dev, dtype=input_ids_BS.dtype)
     block_ids[:, :, 0] = torch.where(keep_BN, input_ids_BS.gather(1, anchors_BN), cfg.mask_token_id)
     pos_BNK = anchors_BN[:, :, None] + k  # may run past S-1: positions only, never labels
@@ -607,7 +608,7 @@ def dflash_loss(drafter, embed_VD, lm_head_VD, input_ids_BS, loss_mask_BS, hidde
 
     labels, valid, w = block_labels(input_ids_BS, loss_mask_BS, anchors_BN, keep_BN, K, gamma)
 
-    # lm_head + CE in chunks of blocks: the full [N*K, V] logits never exist at once (spec §4.1)
+    # lm_head + CE in chunks of blocks: the full [N*K, V] logits never exist at once
     rows = (chunk_blocks if chunk_blocks > 0 else N) * K
     loss_sum, correct = HeadCE.apply(out.reshape(-1, out.shape[-1]), lm_head_VD, labels.reshape(-1),
                                      w.reshape(-1), rows)

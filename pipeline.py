@@ -1,20 +1,12 @@
 """
-How the processes of a run are organized, and everything that knows about ranks (train.py holds the recipe).
-
-torchrun starts one process per GPU. `assign_roles` makes each a target rank or a drafter rank (one process: both);
-`setup_dist` builds the process groups and returns them in a frozen `Dist`, the one object passed around.
-
-- The frozen target: `target_decoder` builds its decoder on the meta device, only up to the deepest captured layer
-  (later layers and the LM head are never built nor run); `fill_target` materializes it on this rank's device and
-  reads the checkpoint one tensor at a time, copying only this rank's FSDP2 shard, so peak host memory is one full
-  tensor. How it is sharded is train.py's `load_target` (what the model is stays apart from how it is parallelized,
-  as in torchtitan). `Capture` runs it and returns the residual stream after the chosen layers; `frozen_tables` are
-  the embedding and LM head the drafter shares.
-- The static schedule, so every rank knows whom it talks to and nobody needs a coordinator: micro-batch m (a global
-  counter) belongs to optimizer step m // (drafters * grad_accum); `route` names the target rank that prefills it
-  and the drafter rank that trains on it. Every rank walks its micro-batches in increasing m, so the lowest
-  outstanding transfer can always proceed. `run_target` is a target rank's whole life, `Receiver` the drafter's end
-  of the transfer, `Colocated` both in one process (one GPU, or CPU).
+Everything that knows about ranks: roles and process groups (`assign_roles`, `setup_dist` -> a frozen `Dist`), the
+frozen target (`target_decoder` builds it on the meta device up to the deepest captured layer; `fill_target` reads
+the checkpoint one tensor at a time into this rank's FSDP2 shard; `Capture` returns the hidden states), and the
+static schedule by which they travel: micro-batch m (a global counter) belongs to optimizer step
+m // (drafters * grad_accum), and `route` names the target rank that prefills it and the drafter rank that trains on
+it. Every rank walks its micro-batches in increasing m, so the lowest outstanding transfer can always proceed and
+nobody needs a coordinator. `run_target` is a target rank's whole life, `Receiver` the drafter's end of the
+transfer, `Colocated` both in one process. How the target is sharded is train.py's `load_target`.
 
 Test: python -m pytest -q tests/test_train.py tests/test_multinode.py
 """

@@ -1,4 +1,4 @@
-"""Fault campaign (issue 6): every fault ends in a clean, loud exit or in the result of a run without it.
+"""Fault campaign: every fault ends in a clean, loud exit or in the result of a run without it.
 
 Killed ranks (kill -9 of a target and of a drafter rank at seeded random steps), a crash between a checkpoint's
 temp write and its rename followed by an exact resume under the split topology, non-finite steps (skipped,
@@ -67,7 +67,7 @@ def test_kill_9_names_rank_and_role_exits_fast_no_orphans(tiny_target, convs, tm
     """A real `kill -9` from outside, at a seeded random step, of a target rank (0 or 1) or the drafter (rank 2)
     of a 2 + 1 job: the job exits non-zero within 60 s of the kill, torchrun's summary names the rank and its role
     as the root cause, and no process of the job is left. kill -9 of torchrun itself takes its ranks with it."""
-    rng = random.Random(f"issue6-{role}")
+    rng = random.Random(f"kill-{role}")
     rank = rng.choice([0, 1]) if role == "target" else 2
     kill_at = rng.randint(2, 6)  # optimizer steps already logged when the kill lands
     out = tmp_path / f"kill-{role}"
