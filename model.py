@@ -7,8 +7,7 @@ projects those features with its own k/v projections into extra keys/values plac
 Queries come only from the block: [anchor token, mask, mask, ...] at absolute positions anchor+k. The target's
 embedding and LM head are shared and frozen; they are not drafter weights.
 
-Reading order (bottom-up): helpers -> attention -> MLP -> layer -> config -> model -> checkpoints -> objective.
-Training checkpoints are ckpt-<step>/ directories: the released-format drafter plus train_state.pt (resume).
+Reading order (bottom-up): helpers -> attention -> MLP -> layer -> config -> model -> checkpoint -> objective.
 Weight names match released checkpoints (z-lab, SpecForge, vLLM, SGLang), so saving is a plain state-dict write.
 
 Test: python -m pytest -q tests/test_model.py
@@ -17,8 +16,7 @@ Test: python -m pytest -q tests/test_model.py
 import json
 import math
 import os
-import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -437,75 +435,6 @@ def load_drafter(ckpt_dir, device="cpu", dtype=None):
     drafter = drafter.to_empty(device=device).to(dtype or sd["fc.weight"].dtype)  # default: the saved dtype
     drafter.load_state_dict(sd, strict=True)
     return drafter
-
-
-# training checkpoints: ckpt-<step>/ = the released-format drafter + train_state.pt (masters, optimizer, step)
-
-
-def list_ckpts(run_dir):
-    """Complete checkpoints, oldest first: exactly ckpt-<7 digits>. A .tmp is a write in progress (or killed),
-    a .old one being replaced or pruned; neither is ever resumed from."""
-    if not os.path.isdir(run_dir):
-        return []
-    return sorted(c for c in os.listdir(run_dir) if c.startswith("ckpt-") and c[5:].isdigit())
-
-
-def _fsync(path):  # a file or a directory: on disk, not just in the page cache, before the rename publishes it
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def save_checkpoint(run_dir, step, drafter, optim, cfg, micro, bad_steps=0):
-    """Released-format drafter + train_state.pt, written into ckpt-<step>.tmp, flushed, then renamed: a crash or a
-    full disk at any point leaves every earlier complete checkpoint intact (a failed write removes its .tmp and
-    raises). Only after the rename are the oldest pruned beyond keep_ckpts. train_state.pt holds only tensors,
-    numbers, strings, lists and dicts, so resuming loads it with torch.load(weights_only=True)."""
-    final = os.path.join(run_dir, f"ckpt-{step:07d}")
-    tmp, old = final + ".tmp", final + ".old"
-    for c in os.listdir(run_dir):  # leftovers of a killed write (only this process, the leader, writes here)
-        if c.startswith("ckpt-") and c.endswith((".tmp", ".old")):
-            shutil.rmtree(os.path.join(run_dir, c), ignore_errors=True)
-    try:
-        save_drafter(drafter, tmp, dtype=torch.bfloat16)
-        torch.save({"step": step, "micro_batch": micro, "masters": [mp.detach().cpu() for mp in optim.masters],
-                    "optimizer": optim.opt.state_dict(), "config": asdict(cfg), "bad_steps": bad_steps},
-                   os.path.join(tmp, "train_state.pt"))
-        for f in os.listdir(tmp):
-            _fsync(os.path.join(tmp, f))
-        _fsync(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # give back the space of a failed write (disk full), then fail loudly
-        raise
-    if os.path.exists(final):  # the same step again (resumed from an older checkpoint): swap aside, never delete first
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _fsync(run_dir)
-    shutil.rmtree(old, ignore_errors=True)
-    for c in list_ckpts(run_dir)[:-cfg.keep_ckpts]:  # renamed first: a crash mid-delete leaves no torn ckpt-*
-        os.replace(os.path.join(run_dir, c), os.path.join(run_dir, c + ".old"))
-        shutil.rmtree(os.path.join(run_dir, c + ".old"), ignore_errors=True)
-    return final
-
-
-def find_resume(cfg, run_dir):
-    if cfg.resume == "auto":
-        ckpts = list_ckpts(run_dir)
-        return os.path.join(run_dir, ckpts[-1]) if ckpts else None
-    return cfg.resume or None
-
-
-def load_train_state(ckpt):
-    """train_state.pt through torch.load(weights_only=True): tensors and plain containers only, so a tampered or
-    foreign file cannot run code. Tensors land on the CPU (a CUDA run saved them on the leader's GPU)."""
-    path = os.path.join(ckpt, "train_state.pt")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # pickle.UnpicklingError for anything beyond tensors and plain containers
-        raise ValueError(f"resume: {path} is not a plain training state (refusing to unpickle it): "
-                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
 
 
 # -----------------------------------------------------------------------------

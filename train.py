@@ -3,7 +3,7 @@ Train a DFlash drafter (arXiv 2602.06036) against a frozen target, one process p
 
 Roles: target ranks hold the frozen target (FSDP2 over the target sub-mesh, or replicated), prefill each sequence
 and capture the hidden states at `target_layer_ids`; drafter ranks train the drafter data-parallel with compiled
-flex attention. Hidden states flow target -> drafter over point-to-point sends (target.py). With one process (one
+flex attention. Hidden states flow target -> drafter over point-to-point sends (pipeline.py). With one process (one
 GPU, or CPU) both roles run in that process, with no transport.
 
     bash launch.sh                                   # picks the demo or the real recipe for this machine
@@ -18,18 +18,18 @@ main(); below the ruler the plumbing: config parsing and checks, processes and g
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
 
 from attention import compile_count, configure_compile
-from model import (DFlashDrafter, DrafterConfig, dflash_loss, drafter_config_from_target, find_resume, list_ckpts,
-                   load_drafter, load_train_state, sample_anchors, save_checkpoint, save_drafter)
+from checkpoint import (find_resume, list_ckpts, load_train_state, log_line, log_skipped, open_run_dir, plot_curves,
+                        save_checkpoint, warn_config_changes, write_done, write_run_info)
+from model import DFlashDrafter, DrafterConfig, dflash_loss, drafter_config_from_target, load_drafter, sample_anchors
 from pipeline import (Capture, Colocated, Receiver, assign_roles, die_with_launcher, drafter_schedule,
                       fill_target, frozen_tables, per_step, placement_table, reduce_stats, report_failure, role_of,
                       run_target, setup_dist, target_decoder, teardown_dist, torchrun_env)
@@ -322,6 +322,10 @@ def parse_config(argv):
     unknown = sorted(set(kv) - set(types))
     if unknown:
         raise SystemExit(f"unknown config field(s) {unknown}; fields: {sorted(types)}")
+    shape = sorted(set(kv) & {"block_size", "drafter_layers", "mask_token", "sliding_layers", "sliding_window",
+                              "target_features"})
+    if "init_drafter" in kv and shape:
+        raise SystemExit(f"--init_drafter takes the drafter's shape from its config.json: drop --{', --'.join(shape)}")
     base = {}
     if kv.get("preset"):
         if kv["preset"] != "demo":
@@ -344,22 +348,25 @@ def parse_config(argv):
     return Config(**base)
 
 
-def _at_least(n, *names):
-    return [(f, lambda c, t, f=f: getattr(c, f) >= n, f"must be >= {n}") for f in names]
+def _each(names, ok, message):
+    return [(f, lambda c, t, f=f: ok(getattr(c, f)), message) for f in names]
 
 
+INF, MAX_STEPS, DAY = float("inf"), 10 ** 9, 86_400
 # (field, check(cfg, target text config), message): every failing row is reported, each line naming its field.
-# SHAPE: the fields the drafter config is derived from; when one fails, deriving it would only repeat the error.
+# Numbers are checked against ranges, so nan and inf fail too. SHAPE: the fields the drafter config is derived
+# from; when one fails, deriving it would only repeat the error.
 SHAPE = [
-    *_at_least(1, "drafter_layers"),
-    *_at_least(2, "block_size"),
+    *_each(["drafter_layers"], lambda x: 1 <= x <= 1024, "must be in [1, 1024]"),
+    *_each(["block_size"], lambda x: 2 <= x <= 1024, "must be in [2, 1024]"),
     ("target_features", lambda c, t: 1 <= (c.target_features or c.drafter_layers) <= t.num_hidden_layers,
      "must be in [1, {t.num_hidden_layers}] (the target's depth; 0 = drafter_layers)"),
     ("sliding_layers", lambda c, t: 0 <= c.sliding_layers <= c.drafter_layers,
      "must be in [0, drafter_layers={c.drafter_layers}]"),
-    ("sliding_window", lambda c, t: c.sliding_layers == 0 or c.sliding_window >= 1,
-     "must be >= 1 when sliding_layers > 0"),
-    ("mask_token", lambda c, t: not c.mask_token.isdigit() or int(c.mask_token) < t.vocab_size,
+    # training windows only the context, inference the block's own keys too: they agree only when W >= K
+    ("sliding_window", lambda c, t: c.sliding_layers == 0 or c.block_size <= c.sliding_window < INF,
+     "must be >= block_size={c.block_size} when sliding_layers > 0"),
+    ("mask_token", lambda c, t: not _is_id(c.mask_token) or int(c.mask_token) < t.vocab_size,
      "must be < the target vocabulary ({t.vocab_size})"),
     ("init_drafter", lambda c, t: not c.init_drafter or all(
         os.path.isfile(os.path.join(c.init_drafter, f)) for f in ("config.json", "model.safetensors")),
@@ -367,24 +374,48 @@ SHAPE = [
 ]
 RULES = SHAPE + [
     ("data", lambda c, t: os.path.isfile(c.data), "is not a file"),
-    ("max_length", lambda c, t: c.max_length >= c.block_size, "must be >= block_size={c.block_size}"),
-    *_at_least(1, "batch_size", "grad_accum", "num_anchors", "pad_multiple", "prefetch", "transport_timeout",
-               "log_every", "ckpt_every", "keep_ckpts", "max_bad_steps"),
-    *_at_least(0, "weight_decay", "loss_chunk", "max_steps"),
-    *[(f, lambda c, t, f=f: getattr(c, f) > 0, "must be > 0") for f in ("lr", "gamma", "grad_clip")],  # and not nan
-    *[(f, lambda c, t, f=f: 0 <= getattr(c, f) < 1, "must be in [0, 1)") for f in ("warmup_ratio", "beta1", "beta2")],
-    ("epochs", lambda c, t: c.max_steps > 0 or c.epochs > 0, "must be > 0 when max_steps=0"),
+    ("max_length", lambda c, t: c.block_size <= c.max_length <= 2 ** 20, "must be in [block_size, 2^20]"),
+    ("num_anchors", lambda c, t: 1 <= c.num_anchors and (
+        c.num_anchors <= c.max_length or c.max_length < c.block_size),  # a bad max_length has its own row
+     "must be in [1, max_length] (a sequence has no more anchor positions)"),
+    *_each(["pad_multiple"], lambda x: 1 <= x <= 2 ** 20, "must be in [1, 2^20]"),
+    *_each(["batch_size", "grad_accum", "log_every", "ckpt_every", "keep_ckpts", "max_bad_steps"],
+           lambda x: 1 <= x <= 2 ** 31, "must be in [1, 2^31]"),
+    *_each(["prefetch"], lambda x: 1 <= x <= 64, "must be in [1, 64] (micro-batches held in flight)"),
+    *_each(["transport_timeout"], lambda x: 1 <= x <= 30 * DAY, f"must be in [1, {30 * DAY}] seconds"),
+    *_each(["loss_chunk"], lambda x: 0 <= x <= 2 ** 31, "must be in [0, 2^31]"),
+    *_each(["max_steps"], lambda x: 0 <= x <= MAX_STEPS, f"must be in [0, {MAX_STEPS}]"),
+    ("epochs", lambda c, t: 0 < c.epochs <= 1e4 or (c.max_steps > 0 and 0 <= c.epochs < INF),
+     "must be in (0, 10000] (finite, and > 0 when max_steps=0)"),
+    *_each(["seed"], lambda x: 0 <= x < 2 ** 32, "must be in [0, 2^32)"),  # what numpy's and torch's RNGs take
+    *_each(["lr", "gamma", "grad_clip"], lambda x: 0 < x < INF, "must be > 0 and finite"),
+    *_each(["weight_decay"], lambda x: 0 <= x < INF, "must be >= 0 and finite"),
+    *_each(["warmup_ratio", "beta1", "beta2"], lambda x: 0 <= x < 1, "must be in [0, 1)"),
     ("dtype", lambda c, t: c.dtype in ("bfloat16", "float32"), "must be bfloat16 or float32"),
     ("target_shard", lambda c, t: c.target_shard in ("fsdp", "replicate"), "must be fsdp or replicate"),
     ("device", lambda c, t: c.device in ("auto", "cpu") or (c.device == "cuda" and torch.cuda.is_available()),
      "must be auto, cpu or cuda (cuda only where CUDA is available)"),
     # the run directory is the only place a run writes: run_name is one plain name inside out_dir, never a path
-    ("run_name", lambda c, t: c.run_name not in ("", ".", "..") and os.path.basename(c.run_name) == c.run_name,
-     "must be a plain directory name inside out_dir (no '/', not '..')"),
+    ("run_name", lambda c, t: _plain(c.run_name), "must be a plain directory name inside out_dir (no '/', not '..')"),
+    ("run_name", lambda c, t: not _plain(c.run_name) or _inside(os.path.join(c.out_dir, c.run_name), c.out_dir),
+     "is a link that leads out of out_dir"),
+    ("out_dir", lambda c, t: not os.path.exists(c.out_dir) or os.path.isdir(c.out_dir), "is not a directory"),
     ("out_dir", lambda c, t: os.access(_existing_parent(c.out_dir), os.W_OK), "is not writable"),
     ("resume", lambda c, t: c.resume in ("", "auto") or os.path.isfile(os.path.join(c.resume, "train_state.pt")),
      "holds no train_state.pt"),
 ]
+
+
+def _is_id(mask_token):  # only ASCII digits are an id ("٣".isdigit() is True too); anything else is one token
+    return mask_token.isascii() and mask_token.isdigit()
+
+
+def _plain(name):
+    return name not in ("", ".", "..") and os.path.basename(name) == name
+
+
+def _inside(path, root):
+    return os.path.realpath(path).startswith(os.path.realpath(root) + os.sep) or not os.path.lexists(path)
 
 
 def _existing_parent(path):
@@ -405,7 +436,7 @@ def validate(cfg, world, target_config, tokenizer, local_world=None):
     failed = [(f, m) for f, ok, m in RULES if not ok(cfg, tc)]
     errs += [f"{f}={getattr(cfg, f)!r} {m.format(c=cfg, t=tc)}" for f, m in failed]
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
-    if "run_name" not in dict(failed) and not cfg.resume and list_ckpts(run_dir):
+    if _plain(cfg.run_name) and not cfg.resume and list_ckpts(run_dir):
         # a fresh run would interleave its checkpoints with the old run's (and prune the wrong ones)
         errs.append(f"resume: {run_dir} already holds checkpoints of an earlier run ({list_ckpts(run_dir)[-1]}); "
                     f"--resume=auto continues it, or pick another run_name (or delete the directory)")
@@ -440,7 +471,7 @@ def drafter_cfg(cfg, target_config, tokenizer):
         with open(os.path.join(cfg.init_drafter, "config.json")) as f:
             return DrafterConfig.from_json_dict(json.load(f))
     mask = cfg.mask_token
-    mask = int(mask) if mask.isdigit() else (mask or None)
+    mask = int(mask) if _is_id(mask) else (mask or None)
     n = cfg.sliding_layers
     return drafter_config_from_target(
         target_config, tokenizer, num_layers=cfg.drafter_layers, num_target_features=cfg.target_features or None,
@@ -464,7 +495,7 @@ def load_data(cfg, d, tokenizer):
 def load_target(cfg, dcfg, d):
     """The frozen target on this rank, up to the deepest captured layer: built on the meta device, sharded with
     FSDP2 on the target mesh (per decoder layer, then the root; resharded after every forward, as inference wants)
-    or replicated, then filled with this rank's shard only (target.py)."""
+    or replicated, then filled with this rank's shard only (pipeline.py)."""
     t0 = time.time()
     base = target_decoder(cfg.target, max(dcfg.target_layer_ids) + 1, getattr(torch, cfg.dtype))
     if d.target_mesh is not None:
@@ -479,122 +510,6 @@ def load_target(cfg, dcfg, d):
               f"host RSS of rank {d.rank} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB",
               flush=True)
     return base
-
-# -----------------------------------------------------------------------------
-# the run directory and checkpoints
-
-
-def write_run_info(run_dir, cfg, d, dcfg):
-    import transformers
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
-        json.dump({"train": asdict(cfg), "drafter": dcfg.to_json_dict(), "world": d.world,
-                   "targets": d.targets, "drafters": d.drafters}, f, indent=2)
-    info = [f"python {sys.version.split()[0]}", f"torch {torch.__version__}",
-            f"transformers {transformers.__version__}", f"cuda {torch.version.cuda}"]
-    try:
-        info.append(subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20).stdout)
-    except (OSError, subprocess.TimeoutExpired):
-        info.append("nvidia-smi: not available")
-    with open(os.path.join(run_dir, "env.txt"), "w") as f:
-        f.write("\n".join(info))
-    print(f"drafter: {dcfg.num_hidden_layers} layers {dcfg.layer_types}, target layers {dcfg.target_layer_ids}, "
-          f"mask token {dcfg.mask_token_id}, block {dcfg.block_size}", flush=True)
-
-
-def warn_config_changes(cfg, state):
-    changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in (state or {}).get("config", {}).items()
-               if k != "resume" and getattr(cfg, k, v) != v]
-    if changed:  # allowed (e.g. a longer max_steps), but the run is then no longer the uninterrupted one
-        print(f"WARNING resume: config differs from the checkpoint's: {', '.join(changed)}", flush=True)
-
-
-def open_run_dir(d, run_dir, drafter, resumed_at):
-    """The leader prepares the run directory: a fresh run saves init/ (the untrained drafter: eval's baseline) and
-    starts metrics.jsonl anew; a resumed one drops the metrics lines past its checkpoint (those steps are redone).
-    done.json goes: a run resumed past an earlier end is not done."""
-    metrics = os.path.join(run_dir, "metrics.jsonl")
-    if not d.leader:
-        return
-    if os.path.exists(os.path.join(run_dir, "done.json")):
-        os.remove(os.path.join(run_dir, "done.json"))
-    if resumed_at is None:
-        if os.path.exists(metrics):
-            os.remove(metrics)
-        save_drafter(drafter, os.path.join(run_dir, "init"))
-    elif os.path.exists(metrics):
-        with open(metrics) as f:
-            rows = [x for x in f if x.strip() and json.loads(x)["step"] <= resumed_at]
-        with open(metrics + ".tmp", "w") as f:
-            f.writelines(rows)
-        os.replace(metrics + ".tmp", metrics)
-
-
-def write_done(run_dir, total, bad_steps, streak, last_good):
-    """done.json: the run is over (eval.py --watch stops once it has evaluated every checkpoint)."""
-    with open(os.path.join(run_dir, "done.json.tmp"), "w") as f:
-        json.dump({"steps": total, "bad_steps": bad_steps, "final": last_good}, f)
-    os.replace(os.path.join(run_dir, "done.json.tmp"), os.path.join(run_dir, "done.json"))
-    print(f"done: {total} steps" + (f", {bad_steps} skipped as non-finite" if bad_steps else "") +
-          (f" (the last {streak} in a row: no final checkpoint)" if streak else "") +
-          f"; checkpoints in {run_dir}", flush=True)
-
-
-# -----------------------------------------------------------------------------
-# logs: one human line and one metrics.jsonl record per log step, curves.png at each checkpoint
-
-
-def log_line(d, run_dir, step, total, s, gnorm, lr, dt, recompiles, bad_steps=0):
-    s = {k: (v.item() if v.numel() == 1 else v) for k, v in s.items()}
-    correct, count = s["correct_K"], s["count_K"]
-    T, Dr = len(d.targets), len(d.drafters)
-    t_busy = s["target_s"] / (T * dt)  # summed per-GPU busy seconds over (GPUs x wall seconds)
-    d_busy = s["drafter_s"] / (Dr * dt)
-    cap_t, cap_d = (s["sequences"] / max(s[k], 1e-9) for k in ("target_s", "drafter_s"))  # seq/s one GPU sustains
-    balance = d.world * cap_d / (cap_t + cap_d)  # target GPUs that would exactly feed the rest
-    mem = torch.cuda.max_memory_allocated() / 2 ** 30 if d.device.type == "cuda" else 0.0
-    rec = dict(step=step, loss=s["loss_sum"] / max(s["weight_sum"], 1e-12),
-               acc=(correct.sum() / count.sum().clamp(min=1)).item(), tau_est=s["tau_sum"] / max(s["blocks"], 1),
-               lr=lr, grad_norm=gnorm, tok_s=s["tokens"] / dt, seq_s=s["sequences"] / dt, target_busy=t_busy,
-               drafter_busy=d_busy, target_seq_s_per_gpu=cap_t, drafter_seq_s_per_gpu=cap_d,
-               balanced_target_gpus=balance, mem_gb=mem, recompiles=recompiles, bad_steps=bad_steps,
-               acc_k=(correct / count.clamp(min=1)).tolist()[1:], time=time.time())
-    print(f"step={step}/{total} loss={rec['loss']:.4f} acc={rec['acc']:.3f} tau_est={rec['tau_est']:.2f} "
-          f"lr={lr:.2e} gnorm={gnorm:.2f} tok/s={rec['tok_s']:.0f} target_busy={t_busy:.0%} "
-          f"drafter_busy={d_busy:.0%} mem={mem:.1f}GB | capacity seq/s/GPU target={cap_t:.2f} "
-          f"drafter={cap_d:.2f}" + ("" if d.world == 1 else f" -> balanced split {balance:.1f}:{d.world - balance:.1f}")
-          + (f" RECOMPILES={recompiles}" if recompiles else "")
-          + (f" SKIPPED_STEPS={bad_steps}" if bad_steps else ""), flush=True)
-    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(rec) + "\n")
-
-
-def log_skipped(run_dir, step, total, loss, gnorm, streak, bad_steps, max_bad):
-    """A step dropped for a non-finite loss or grad norm: one human line and one JSONL record (skipped=true) now,
-    whatever log_every says. Non-finite values are written as strings ("nan", "inf"): the file stays valid JSON."""
-    print(f"step={step}/{total} SKIPPED: non-finite loss={loss:.4g} gnorm={gnorm:.4g}; weights and optimizer "
-          f"state unchanged ({streak} in a row, the run stops at {max_bad}; {bad_steps} skipped so far)", flush=True)
-    num = lambda x: x if math.isfinite(x) else str(x)  # noqa: E731
-    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(dict(step=step, skipped=True, loss=num(loss), grad_norm=num(gnorm), bad_streak=streak,
-                                bad_steps=bad_steps, time=time.time())) + "\n")
-
-
-def plot_curves(run_dir):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [r for r in map(json.loads, f) if not r.get("skipped")]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
-    for ax, key in zip(axes, ("loss", "acc", "tau_est")):
-        ax.plot([r["step"] for r in rows], [r[key] for r in rows])
-        ax.set_title(key)
-        ax.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(os.path.join(run_dir, "curves.png"), dpi=100)
-    plt.close(fig)
-
 
 if __name__ == "__main__":
     main(parse_config(sys.argv[1:]))

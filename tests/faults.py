@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import model  # noqa: E402
+import checkpoint  # noqa: E402
 import train  # noqa: E402
 
 
@@ -30,13 +30,13 @@ def at(spec, step):
 
 def install(rank, step, how):
     if how == "ckpt":  # the last fsync of the .tmp directory is the moment it is complete and not yet renamed
-        fsync = model._fsync
+        fsync = checkpoint._fsync
 
         def killing_fsync(path):
             fsync(path)
             if str(path).endswith(f"ckpt-{int(step):07d}.tmp"):
                 os.kill(os.getpid(), signal.SIGKILL)
-        model._fsync = killing_fsync
+        checkpoint._fsync = killing_fsync
         return
     accumulate = train.accumulate
 

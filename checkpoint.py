@@ -1,0 +1,205 @@
+"""
+The run directory, everything a training run writes and reads back: out_dir/run_name/ holds config.json (the
+resolved config), env.txt (versions, nvidia-smi), init/ (the untrained drafter: eval's baseline), ckpt-<step>/
+(the released-format drafter + train_state.pt), metrics.jsonl (one JSON object per log step), curves.png, and
+done.json once the run is over. Checkpoints are written aside and renamed, so a crash never leaves a torn one.
+
+Test: python -m pytest -q tests/test_reliability.py
+"""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+
+from model import save_drafter
+
+# -----------------------------------------------------------------------------
+# the run directory
+
+
+def write_run_info(run_dir, cfg, d, dcfg):
+    import transformers
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump({"train": asdict(cfg), "drafter": dcfg.to_json_dict(), "world": d.world,
+                   "targets": d.targets, "drafters": d.drafters}, f, indent=2)
+    info = [f"python {sys.version.split()[0]}", f"torch {torch.__version__}",
+            f"transformers {transformers.__version__}", f"cuda {torch.version.cuda}"]
+    try:
+        info.append(subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20).stdout)
+    except (OSError, subprocess.TimeoutExpired):
+        info.append("nvidia-smi: not available")
+    with open(os.path.join(run_dir, "env.txt"), "w") as f:
+        f.write("\n".join(info))
+    print(f"drafter: {dcfg.num_hidden_layers} layers {dcfg.layer_types}, target layers {dcfg.target_layer_ids}, "
+          f"mask token {dcfg.mask_token_id}, block {dcfg.block_size}", flush=True)
+
+
+def warn_config_changes(cfg, state):
+    changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in (state or {}).get("config", {}).items()
+               if k != "resume" and getattr(cfg, k, v) != v]
+    if changed:  # allowed (e.g. a longer max_steps), but the run is then no longer the uninterrupted one
+        print(f"WARNING resume: config differs from the checkpoint's: {', '.join(changed)}", flush=True)
+
+
+def open_run_dir(d, run_dir, drafter, resumed_at):
+    """The leader prepares the run directory: a fresh run saves init/ (the untrained drafter: eval's baseline) and
+    starts metrics.jsonl anew; a resumed one drops the metrics lines past its checkpoint (those steps are redone).
+    done.json goes: a run resumed past an earlier end is not done."""
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if not d.leader:
+        return
+    if os.path.exists(os.path.join(run_dir, "done.json")):
+        os.remove(os.path.join(run_dir, "done.json"))
+    if resumed_at is None:
+        if os.path.exists(metrics):
+            os.remove(metrics)
+        save_drafter(drafter, os.path.join(run_dir, "init"))
+    elif os.path.exists(metrics):
+        with open(metrics) as f:
+            rows = [x for x in f if x.strip() and json.loads(x)["step"] <= resumed_at]
+        with open(metrics + ".tmp", "w") as f:
+            f.writelines(rows)
+        os.replace(metrics + ".tmp", metrics)
+
+
+def write_done(run_dir, total, bad_steps, streak, last_good):
+    """done.json: the run is over (eval.py --watch stops once it has evaluated every checkpoint)."""
+    with open(os.path.join(run_dir, "done.json.tmp"), "w") as f:
+        json.dump({"steps": total, "bad_steps": bad_steps, "final": last_good}, f)
+    os.replace(os.path.join(run_dir, "done.json.tmp"), os.path.join(run_dir, "done.json"))
+    print(f"done: {total} steps" + (f", {bad_steps} skipped as non-finite" if bad_steps else "") +
+          (f" (the last {streak} in a row: no final checkpoint)" if streak else "") +
+          f"; checkpoints in {run_dir}", flush=True)
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: ckpt-<step>/ = the released-format drafter + train_state.pt (fp32 masters, optimizer state, step)
+
+
+def list_ckpts(run_dir):
+    """Complete checkpoints, oldest first: exactly ckpt-<7 digits>. A .tmp is a write in progress (or killed),
+    a .old one being replaced or pruned; neither is ever resumed from."""
+    if not os.path.isdir(run_dir):
+        return []
+    return sorted(c for c in os.listdir(run_dir) if c.startswith("ckpt-") and c[5:].isdigit())
+
+
+def _fsync(path):  # a file or a directory: on disk, not just in the page cache, before the rename publishes it
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(run_dir, step, drafter, optim, cfg, micro, bad_steps=0):
+    """Released-format drafter + train_state.pt, written into ckpt-<step>.tmp, flushed, then renamed: a crash or a
+    full disk at any point leaves every earlier complete checkpoint intact (a failed write removes its .tmp and
+    raises). Only after the rename are the oldest pruned beyond keep_ckpts. train_state.pt holds only tensors,
+    numbers, strings, lists and dicts, so resuming loads it with torch.load(weights_only=True)."""
+    final = os.path.join(run_dir, f"ckpt-{step:07d}")
+    tmp, old = final + ".tmp", final + ".old"
+    for c in os.listdir(run_dir):  # leftovers of a killed write (only this process, the leader, writes here)
+        if c.startswith("ckpt-") and c.endswith((".tmp", ".old")):
+            shutil.rmtree(os.path.join(run_dir, c), ignore_errors=True)
+    try:
+        save_drafter(drafter, tmp, dtype=torch.bfloat16)
+        torch.save({"step": step, "micro_batch": micro, "masters": [mp.detach().cpu() for mp in optim.masters],
+                    "optimizer": optim.opt.state_dict(), "config": asdict(cfg), "bad_steps": bad_steps},
+                   os.path.join(tmp, "train_state.pt"))
+        for f in os.listdir(tmp):
+            _fsync(os.path.join(tmp, f))
+        _fsync(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # give back the space of a failed write (disk full), then fail loudly
+        raise
+    if os.path.exists(final):  # the same step again (resumed from an older checkpoint): swap aside, never delete first
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync(run_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    for c in list_ckpts(run_dir)[:-cfg.keep_ckpts]:  # renamed first: a crash mid-delete leaves no torn ckpt-*
+        os.replace(os.path.join(run_dir, c), os.path.join(run_dir, c + ".old"))
+        shutil.rmtree(os.path.join(run_dir, c + ".old"), ignore_errors=True)
+    return final
+
+
+def find_resume(cfg, run_dir):
+    if cfg.resume == "auto":
+        ckpts = list_ckpts(run_dir)
+        return os.path.join(run_dir, ckpts[-1]) if ckpts else None
+    return cfg.resume or None
+
+
+def load_train_state(ckpt):
+    """train_state.pt through torch.load(weights_only=True): tensors and plain containers only, so a tampered or
+    foreign file cannot run code. Tensors land on the CPU (a CUDA run saved them on the leader's GPU)."""
+    path = os.path.join(ckpt, "train_state.pt")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle.UnpicklingError for anything beyond tensors and plain containers
+        raise ValueError(f"resume: {path} is not a plain training state (refusing to unpickle it): "
+                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+
+# -----------------------------------------------------------------------------
+# logs: one human line and one metrics.jsonl record per log step, curves.png at each checkpoint
+
+
+def log_line(d, run_dir, step, total, s, gnorm, lr, dt, recompiles, bad_steps=0):
+    s = {k: (v.item() if v.numel() == 1 else v) for k, v in s.items()}
+    correct, count = s["correct_K"], s["count_K"]
+    T, Dr = len(d.targets), len(d.drafters)
+    t_busy = s["target_s"] / (T * dt)  # summed per-GPU busy seconds over (GPUs x wall seconds)
+    d_busy = s["drafter_s"] / (Dr * dt)
+    cap_t, cap_d = (s["sequences"] / max(s[k], 1e-9) for k in ("target_s", "drafter_s"))  # seq/s one GPU sustains
+    balance = d.world * cap_d / (cap_t + cap_d)  # target GPUs that would exactly feed the rest
+    mem = torch.cuda.max_memory_allocated() / 2 ** 30 if d.device.type == "cuda" else 0.0
+    rec = dict(step=step, loss=s["loss_sum"] / max(s["weight_sum"], 1e-12),
+               acc=(correct.sum() / count.sum().clamp(min=1)).item(), tau_est=s["tau_sum"] / max(s["blocks"], 1),
+               lr=lr, grad_norm=gnorm, tok_s=s["tokens"] / dt, seq_s=s["sequences"] / dt, target_busy=t_busy,
+               drafter_busy=d_busy, target_seq_s_per_gpu=cap_t, drafter_seq_s_per_gpu=cap_d,
+               balanced_target_gpus=balance, mem_gb=mem, recompiles=recompiles, bad_steps=bad_steps,
+               acc_k=(correct / count.clamp(min=1)).tolist()[1:], time=time.time())
+    print(f"step={step}/{total} loss={rec['loss']:.4f} acc={rec['acc']:.3f} tau_est={rec['tau_est']:.2f} "
+          f"lr={lr:.2e} gnorm={gnorm:.2f} tok/s={rec['tok_s']:.0f} target_busy={t_busy:.0%} "
+          f"drafter_busy={d_busy:.0%} mem={mem:.1f}GB | capacity seq/s/GPU target={cap_t:.2f} "
+          f"drafter={cap_d:.2f}" + ("" if d.world == 1 else f" -> balanced split {balance:.1f}:{d.world - balance:.1f}")
+          + (f" RECOMPILES={recompiles}" if recompiles else "")
+          + (f" SKIPPED_STEPS={bad_steps}" if bad_steps else ""), flush=True)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def log_skipped(run_dir, step, total, loss, gnorm, streak, bad_steps, max_bad):
+    """A step dropped for a non-finite loss or grad norm: one human line and one JSONL record (skipped=true) now,
+    whatever log_every says. Non-finite values are written as strings ("nan", "inf"): the file stays valid JSON."""
+    print(f"step={step}/{total} SKIPPED: non-finite loss={loss:.4g} gnorm={gnorm:.4g}; weights and optimizer "
+          f"state unchanged ({streak} in a row, the run stops at {max_bad}; {bad_steps} skipped so far)", flush=True)
+    num = lambda x: x if math.isfinite(x) else str(x)  # noqa: E731
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(dict(step=step, skipped=True, loss=num(loss), grad_norm=num(gnorm), bad_streak=streak,
+                                bad_steps=bad_steps, time=time.time())) + "\n")
+
+
+def plot_curves(run_dir):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [r for r in map(json.loads, f) if not r.get("skipped")]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
+    for ax, key in zip(axes, ("loss", "acc", "tau_est")):
+        ax.plot([r["step"] for r in rows], [r[key] for r in rows])
+        ax.set_title(key)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(os.path.join(run_dir, "curves.png"), dpi=100)
+    plt.close(fig)
