@@ -10,6 +10,7 @@ Test: python -m pytest -q tests/test_reliability.py
 import json
 import math
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -132,22 +133,66 @@ def save_checkpoint(run_dir, step, drafter, optim, cfg, micro, bad_steps=0):
     return final
 
 
-def find_resume(cfg, run_dir):
-    if cfg.resume == "auto":
-        ckpts = list_ckpts(run_dir)
-        return os.path.join(run_dir, ckpts[-1]) if ckpts else None
-    return cfg.resume or None
+def resume_point(cfg, run_dir):
+    """-> (checkpoint path, its train state) to resume from, or (None, None) for a fresh run. --resume=auto takes
+    the newest checkpoint that is complete and loadable and says which newer ones it passed over (a checkpoint is
+    published whole by a rename, but a disk or a copy can still damage it); an explicit --resume must be sound."""
+    if cfg.resume != "auto":
+        return (cfg.resume, load_train_state(cfg.resume)) if cfg.resume else (None, None)
+    for name in reversed(list_ckpts(run_dir)):
+        path = os.path.join(run_dir, name)
+        try:
+            return path, load_train_state(path)
+        except ValueError as e:
+            print(f"WARNING resume: passing over {path}: {e}", flush=True)
+    return None, None
 
 
 def load_train_state(ckpt):
     """train_state.pt through torch.load(weights_only=True): tensors and plain containers only, so a tampered or
-    foreign file cannot run code. Tensors land on the CPU (a CUDA run saved them on the leader's GPU)."""
+    foreign file cannot run code. Tensors land on the CPU (a CUDA run saved them on the leader's GPU). The drafter's
+    files must be there and whole too. Raises ValueError saying what is missing, torn, or refused."""
+    from safetensors import safe_open
+    missing = [f for f in ("config.json", "model.safetensors", "train_state.pt")
+               if not os.path.isfile(os.path.join(ckpt, f))]
+    if missing:
+        raise ValueError(f"{ckpt} is incomplete: no {', '.join(missing)}")
+    try:
+        with safe_open(os.path.join(ckpt, "model.safetensors"), "pt"):
+            pass
+        json.load(open(os.path.join(ckpt, "config.json")))
+    except Exception as e:  # a truncated safetensors file fails its header check; a cut config.json its parse
+        raise ValueError(f"{ckpt} is torn: {type(e).__name__}: {_first_line(e)}") from None
     path = os.path.join(ckpt, "train_state.pt")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # pickle.UnpicklingError for anything beyond tensors and plain containers
-        raise ValueError(f"resume: {path} is not a plain training state (refusing to unpickle it): "
-                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    except pickle.UnpicklingError as e:  # anything beyond tensors and plain containers
+        raise ValueError(f"{path} is not a plain training state (refusing to unpickle it): {_first_line(e)}") from None
+    except Exception as e:  # a truncated zip archive: RuntimeError from the stream reader, EOFError, ...
+        raise ValueError(f"{path} is torn (truncated or damaged): {type(e).__name__}: {_first_line(e)}") from None
+
+
+def _first_line(e):
+    return str(e).splitlines()[0] if str(e) else ""
+
+
+def lock_run_dir(run_dir):
+    """One run per run directory: an exclusive lock on run_dir/lock, held while this process lives (keep the
+    returned file open). A second run into the same directory is refused, naming the holder."""
+    import fcntl
+    import socket
+    os.makedirs(run_dir, exist_ok=True)
+    f = open(os.path.join(run_dir, "lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        raise RuntimeError(f"{run_dir} is in use by another run ({f.read().strip() or 'holder unknown'}); "
+                           f"wait for it to end, or pick another run_name") from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f
 
 # -----------------------------------------------------------------------------
 # logs: one human line and one metrics.jsonl record per log step, curves.png at each checkpoint

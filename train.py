@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from attention import compile_count, configure_compile
-from checkpoint import (find_resume, list_ckpts, load_train_state, log_line, log_skipped, open_run_dir, plot_curves,
-                        save_checkpoint, warn_config_changes, write_done, write_run_info)
+from checkpoint import (list_ckpts, lock_run_dir, log_line, log_skipped, open_run_dir, plot_curves,
+                        resume_point, save_checkpoint, warn_config_changes, write_done, write_run_info)
 from model import DFlashDrafter, DrafterConfig, dflash_loss, drafter_config_from_target, load_drafter, sample_anchors
 from pipeline import (Capture, Colocated, Receiver, assign_roles, die_with_launcher, drafter_schedule,
                       fill_target, frozen_tables, per_step, placement_table, reduce_stats, report_failure, role_of,
@@ -147,6 +147,11 @@ class Optimizer:
                 torch._foreach_copy_(self.params, self.masters)
         return gnorm, True
 
+    def weights_finite(self):
+        """After an applied step: are all weights finite? The largest |w| of each tensor (fused; no overflow, unlike
+        an L2 norm), one host sync."""
+        return bool(torch.stack(torch._foreach_norm(self.params, float("inf"))).isfinite().all())
+
     def load(self, state):
         with torch.no_grad():
             for mp, s in zip(self.masters, state["masters"]):
@@ -163,7 +168,8 @@ def train(cfg, d, target_config, tokenizer):
     """One run on this rank: the data, then its role (the target's forward loop, the drafter's training, or both)."""
     dcfg = drafter_cfg(cfg, target_config, tokenizer)
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
-    if d.rank == 0:
+    lock = lock_run_dir(run_dir) if d.rank == 0 else None  # held until this process ends
+    if lock:
         print(placement_table(d.world, d.world // d.nnodes, cfg), flush=True)
         write_run_info(run_dir, cfg, d, dcfg)
     batcher = load_data(cfg, d, tokenizer)
@@ -171,8 +177,7 @@ def train(cfg, d, target_config, tokenizer):
     if batcher.steps_per_epoch < P and not cfg.max_steps:
         raise ValueError(f"{len(batcher.data)} sequences do not fill one optimizer step of {P * cfg.batch_size}")
     total = cfg.max_steps or max(1, int(cfg.epochs * (batcher.steps_per_epoch // P)))
-    resume = find_resume(cfg, run_dir)
-    state = load_train_state(resume) if resume else None
+    resume, state = resume_point(cfg, run_dir)
     start = state["step"] if state else 0
     if d.rank == 0:
         print(f"data: {len(batcher.data)} sequences, {batcher.steps_per_epoch // P} optimizer steps/epoch, {total} "
@@ -237,6 +242,8 @@ def train_drafter(cfg, d, run_dir, models, optim, source, start, total, state, r
         gnorm, applied = optim.step(lr, s["weight_sum"].item(), loss_finite=math.isfinite(s["loss_sum"].item()))
         s["drafter_s"] += (time.perf_counter() - t0) * len(d.drafters)  # optimizer time: busy on every drafter
         done = step + 1
+        if applied and not optim.weights_finite():  # an update that overflowed cannot be skipped back
+            raise FloatingPointError(f"step {done} left non-finite weights (lr={lr:.3g}). {_last_good(last_good)}")
         if applied:
             acc, streak, gnorm_ok = (s if acc is None else {k: acc[k] + s[k] for k in s}), 0, gnorm
         else:
@@ -245,11 +252,9 @@ def train_drafter(cfg, d, run_dir, models, optim, source, start, total, state, r
             if d.leader:
                 log_skipped(run_dir, done, total, loss, gnorm, streak, bad_steps, cfg.max_bad_steps)
             if streak >= cfg.max_bad_steps:  # every drafter rank gets here at the same step (same reduced stats)
-                raise FloatingPointError(
-                    f"{streak} consecutive steps with a non-finite loss or grad norm (steps {done - streak + 1}-"
-                    f"{done}, none applied; max_bad_steps={cfg.max_bad_steps}). Last good checkpoint: "
-                    f"{last_good or 'none (no checkpoint written yet)'}; after a fix (lower lr, check the data) "
-                    f"continue with --resume={last_good or 'auto'}")
+                raise FloatingPointError(f"{streak} consecutive steps with a non-finite loss or grad norm (steps "
+                                         f"{done - streak + 1}-{done}, none applied; max_bad_steps="
+                                         f"{cfg.max_bad_steps}). {_last_good(last_good)}")
         lengths.add(length)
         if warm_graphs is None and done - start >= 2 and len(lengths) >= 2:  # compile warm-up is over once two
             warm_graphs = compile_count()  # lengths were seen: compiled code is then dynamic in the length
@@ -267,6 +272,13 @@ def train_drafter(cfg, d, run_dir, models, optim, source, start, total, state, r
                 print(f"checkpoint {last_good}", flush=True)
     if d.leader:
         write_done(run_dir, total, bad_steps, streak, last_good)
+    if streak:  # the run ends, but not with a checkpoint of its last steps
+        raise FloatingPointError(f"the last {streak} steps were skipped as non-finite. {_last_good(last_good)}")
+
+
+def _last_good(ckpt):
+    return (f"Last good checkpoint: {ckpt or 'none (no checkpoint written yet)'}; after a fix (lower lr, check the "
+            f"data) continue with --resume={ckpt or 'auto'}")
 
 
 def main(cfg):
@@ -462,8 +474,10 @@ def read_target(cfg):
         return (AutoConfig.from_pretrained(cfg.target, trust_remote_code=False),
                 AutoTokenizer.from_pretrained(cfg.target, trust_remote_code=False))
     except (OSError, ValueError) as e:
+        why = ("it needs custom code (trust_remote_code), which this trainer never runs" if "custom code" in str(e)
+               else f"{type(e).__name__}: {str(e).splitlines()[0]}")
         raise ValueError(f"invalid config:\n  target: cannot read a model config and tokenizer from {cfg.target!r} "
-                         f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
+                         f"({why})") from None
 
 
 def drafter_cfg(cfg, target_config, tokenizer):

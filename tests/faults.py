@@ -10,6 +10,7 @@ kill target ranks from outside, with a real kill -9.
   (no HOW)  raise after that step's micro-batches (a Python error: message and traceback)
   kill      SIGKILL there (no message, no cleanup: what a crash or the OOM killer does)
   nan       that step's loss on this rank becomes NaN (every drafter rank then sees a non-finite reduced loss)
+  inf       that step's update leaves a weight non-finite on this rank (what an overflowing update does)
   ckpt      SIGKILL inside the write of checkpoint ckpt-<STEP>, after its .tmp is complete, before the rename
 """
 
@@ -38,10 +39,13 @@ def install(rank, step, how):
                 os.kill(os.getpid(), signal.SIGKILL)
         checkpoint._fsync = killing_fsync
         return
-    accumulate = train.accumulate
+    accumulate, optimizer_step, now = train.accumulate, train.Optimizer.step, []
 
     def faulty_accumulate(i, *args, **kwargs):
         stats, length = accumulate(i, *args, **kwargs)
+        now[:] = [i]
+        if how == "inf":
+            return stats, length
         if at(step, i):
             if how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -51,6 +55,15 @@ def install(rank, step, how):
                 raise RuntimeError(f"injected failure (rank {rank}, step {i})")
         return stats, length
     train.accumulate = faulty_accumulate
+
+    def overflowing_step(self, *args, **kwargs):
+        out = optimizer_step(self, *args, **kwargs)
+        if at(step, now[0]):
+            with train.torch.no_grad():
+                self.params[0].view(-1)[0] = float("inf")
+        return out
+    if how == "inf":
+        train.Optimizer.step = overflowing_step
 
 
 if __name__ == "__main__":

@@ -20,11 +20,20 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoint
 import train
 from pipeline import Dist
 from conftest import ROOT, run_train
 
 SPLIT = ("--target_ranks=2", "--drafter_ranks=1")
+
+
+def _tiny_drafter_files(ck):
+    """A small released-format drafter in `ck` (what a checkpoint directory holds besides train_state.pt)."""
+    from model import DFlashDrafter, DrafterConfig, save_drafter
+    save_drafter(DFlashDrafter(DrafterConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=128,
+                                             mask_token_id=3, target_layer_ids=[1], num_target_layers=4)), ck)
 
 
 def records(out):
@@ -120,11 +129,11 @@ def test_crash_in_checkpoint_write_keeps_newest_and_resume_is_exact_split(tiny_t
     p, _ = run_train(tiny_target, convs, out, 3, *args, fail="2:4:ckpt")
     assert p.returncode != 0 and "SIGKILL" in p.stderr
     run = out / "r"
-    assert train.list_ckpts(run) == ["ckpt-0000002"]
+    assert checkpoint.list_ckpts(run) == ["ckpt-0000002"]
     assert (run / "ckpt-0000004.tmp" / "train_state.pt").exists()  # killed after the temp write, before the rename
     from model import load_drafter
     load_drafter(run / "ckpt-0000002")
-    assert train.load_train_state(run / "ckpt-0000002")["step"] == 2
+    assert checkpoint.load_train_state(run / "ckpt-0000002")["step"] == 2
     assert [r["step"] for r in records(out)] == [1, 2, 3, 4]  # steps 3-4 ran, then their checkpoint was lost
 
     p, _ = run_train(tiny_target, convs, out, 3, *args, "--resume=auto")
@@ -134,8 +143,8 @@ def test_crash_in_checkpoint_write_keeps_newest_and_resume_is_exact_split(tiny_t
     assert [r["step"] for r in resumed] == list(range(1, 9))  # the lines of the lost steps were replaced
     for key in ("loss", "grad_norm", "acc", "tau_est", "lr"):
         assert [r[key] for r in resumed] == [r[key] for r in straight], key  # bit-identical in fp32
-    a = train.load_train_state(tmp_path / "straight" / "r" / "ckpt-0000008")
-    b = train.load_train_state(run / "ckpt-0000008")
+    a = checkpoint.load_train_state(tmp_path / "straight" / "r" / "ckpt-0000008")
+    b = checkpoint.load_train_state(run / "ckpt-0000008")
     assert all(torch.equal(x, y) for x, y in zip(a["masters"], b["masters"]))
     assert (run / "ckpt-0000008" / "model.safetensors").read_bytes() == \
         (tmp_path / "straight" / "r" / "ckpt-0000008" / "model.safetensors").read_bytes()
@@ -154,20 +163,20 @@ def test_checkpoint_write_failure_keeps_earlier_ones(tmp_path, monkeypatch):
     drafter = DFlashDrafter(dcfg)
     optim = train.Optimizer(cfg, drafter, d)
     for step in (1, 2):
-        train.save_checkpoint(tmp_path, step, drafter, optim, cfg, step)
-    before = {c: (tmp_path / c / "model.safetensors").read_bytes() for c in train.list_ckpts(tmp_path)}
+        checkpoint.save_checkpoint(tmp_path, step, drafter, optim, cfg, step)
+    before = {c: (tmp_path / c / "model.safetensors").read_bytes() for c in checkpoint.list_ckpts(tmp_path)}
 
     def full_disk(*a, **k):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(torch, "save", full_disk)
     with pytest.raises(OSError, match="No space left"):
-        train.save_checkpoint(tmp_path, 3, drafter, optim, cfg, 3)
+        checkpoint.save_checkpoint(tmp_path, 3, drafter, optim, cfg, 3)
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["ckpt-0000001", "ckpt-0000002"]  # no torn ckpt-3, no .tmp
-    assert {c: (tmp_path / c / "model.safetensors").read_bytes() for c in train.list_ckpts(tmp_path)} == before
+    assert {c: (tmp_path / c / "model.safetensors").read_bytes() for c in checkpoint.list_ckpts(tmp_path)} == before
     with torch.no_grad():
         next(drafter.parameters()).add_(1.0)
-    train.save_checkpoint(tmp_path, 2, drafter, optim, cfg, 2)  # the same step again: replaced, not lost
+    checkpoint.save_checkpoint(tmp_path, 2, drafter, optim, cfg, 2)  # the same step again: replaced, not lost
     assert sorted(os.listdir(tmp_path)) == ["ckpt-0000001", "ckpt-0000002"]
     assert (tmp_path / "ckpt-0000002" / "model.safetensors").read_bytes() != before["ckpt-0000002"]
 
@@ -215,8 +224,8 @@ def test_nonfinite_step_is_skipped_counted_and_logged(tiny_target, convs, tmp_pa
     rows = records(tmp_path)
     assert [(r["step"], bool(r.get("skipped"))) for r in rows] == [(1, 0), (2, 0), (3, 1), (4, 0), (5, 0)]
     assert rows[2]["loss"] == "nan" and rows[2]["bad_steps"] == 1 and [r["bad_steps"] for r in rows[3:]] == [1, 1]
-    assert train.list_ckpts(tmp_path / "r") == ["ckpt-0000001", "ckpt-0000002", "ckpt-0000004", "ckpt-0000005"]
-    state = train.load_train_state(tmp_path / "r" / "ckpt-0000005")
+    assert checkpoint.list_ckpts(tmp_path / "r") == ["ckpt-0000001", "ckpt-0000002", "ckpt-0000004", "ckpt-0000005"]
+    state = checkpoint.load_train_state(tmp_path / "r" / "ckpt-0000005")
     assert state["bad_steps"] == 1
     assert all(int(s["step"]) == 4 for s in state["optimizer"]["state"].values())  # Adam saw 4 updates, not 5
 
@@ -234,7 +243,7 @@ def test_consecutive_nonfinite_steps_stop_the_run_naming_last_good_checkpoint(ti
     rows = records(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]  # nothing after the stop
     assert [r.get("bad_streak") for r in rows[2:]] == [1, 2, 3]
-    assert train.list_ckpts(tmp_path / "r") == ["ckpt-0000002"]  # no checkpoint during the bad streak
+    assert checkpoint.list_ckpts(tmp_path / "r") == ["ckpt-0000002"]  # no checkpoint during the bad streak
     assert secs < 120
 
 
@@ -338,10 +347,10 @@ def test_train_state_holding_code_is_refused(tmp_path, monkeypatch):
     marker = tmp_path / "ran"
     monkeypatch.setenv("DFLASH_TEST_MARKER", str(marker))
     ck = tmp_path / "ckpt-0000001"
-    ck.mkdir()
+    _tiny_drafter_files(ck)  # a complete checkpoint but for what train_state.pt holds
     torch.save({"step": 1, "masters": [torch.zeros(2)], "x": _Payload()}, ck / "train_state.pt")
     with pytest.raises(ValueError, match="refusing to unpickle"):
-        train.load_train_state(ck)
+        checkpoint.load_train_state(ck)
     assert not marker.exists()
 
 
@@ -382,3 +391,85 @@ def test_training_needs_no_network_and_writes_only_its_run_directory(tiny_target
     assert p.returncode == 0, p.stderr[-3000:]
     assert os.listdir(out) == ["r"]  # everything the run writes is under out_dir/run_name
     assert sorted(os.listdir(tmp_path)) == ["cache", "guard", "out"]  # and the tokenized cache where it was told
+
+
+# -----------------------------------------------------------------------------
+# the run directory: one run at a time, resume only from sound checkpoints, no run ending 0 with broken weights
+
+
+def test_second_run_into_a_running_run_directory_is_refused(tiny_target, convs, tmp_path):
+    first = run_train(tiny_target, convs, tmp_path, 1, "--max_steps=100000", wait=False)
+    try:
+        metrics = tmp_path / "r" / "metrics.jsonl"
+        t0 = time.time()
+        while not metrics.exists():
+            assert first.poll() is None and time.time() - t0 < 120, first.communicate()[1][-3000:]
+            time.sleep(0.1)
+        p, _ = run_train(tiny_target, convs, tmp_path, 1, "--max_steps=3", "--resume=auto")
+        assert p.returncode != 0
+        assert f"is in use by another run (pid {first.pid} on " in p.stderr, p.stderr[-2000:]
+    finally:
+        first.kill()
+        first.communicate()
+    p, _ = run_train(tiny_target, convs, tmp_path, 1, "--max_steps=3", "--resume=auto")  # the holder is gone
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+def test_resume_auto_passes_over_torn_and_incomplete_checkpoints(tiny_target, convs, tmp_path):
+    p, _ = run_train(tiny_target, convs, tmp_path, 1, "--max_steps=3", "--ckpt_every=1")
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = tmp_path / "r"
+    state = run / "ckpt-0000003" / "train_state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # torn
+    (run / "ckpt-0000002" / "model.safetensors").unlink()  # incomplete
+    with pytest.raises(ValueError, match="train_state.pt is torn"):
+        checkpoint.load_train_state(run / "ckpt-0000003")
+    with pytest.raises(ValueError, match="ckpt-0000002 is incomplete: no model.safetensors"):
+        checkpoint.load_train_state(run / "ckpt-0000002")
+    p, _ = run_train(tiny_target, convs, tmp_path, 1, "--max_steps=4", "--resume=auto")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "passing over" in p.stdout and "ckpt-0000003/train_state.pt is torn" in p.stdout
+    assert "ckpt-0000002 is incomplete" in p.stdout and "resuming at step 1" in p.stdout
+
+
+def test_update_leaving_nonfinite_weights_stops_the_run(tiny_target, convs, tmp_path):
+    """An update that leaves a weight non-finite (injected at step index 1: an overflow) cannot be skipped back: the
+    run stops there, non-zero, naming the last good checkpoint, and writes no checkpoint of the broken weights."""
+    p, _ = run_train(tiny_target, convs, tmp_path, 1, "--max_steps=4", "--ckpt_every=1", fail="0:1:inf")
+    assert p.returncode != 0
+    assert "step 2 left non-finite weights" in p.stderr, p.stderr[-2000:]
+    assert f"Last good checkpoint: {tmp_path / 'r' / 'ckpt-0000001'}" in p.stderr
+    assert checkpoint.list_ckpts(tmp_path / "r") == ["ckpt-0000001"]
+
+
+def test_run_whose_last_steps_were_skipped_exits_nonzero(tiny_target, convs, tmp_path):
+    p, _ = run_train(tiny_target, convs, tmp_path, 1, "--max_steps=5", "--ckpt_every=1", fail="0:3+:nan")
+    assert p.returncode != 0
+    assert "the last 2 steps were skipped as non-finite" in p.stderr
+    assert f"Last good checkpoint: {tmp_path / 'r' / 'ckpt-0000003'}" in p.stderr
+
+
+def test_target_that_needs_custom_code_is_refused_without_running_it(tmp_path, convs):
+    target = tmp_path / "custom"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"model_type": "custom", "auto_map": {
+        "AutoConfig": "custom.CustomConfig", "AutoModelForCausalLM": "custom.CustomModel"}}))
+    (target / "custom.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').write('ran')\n")
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), f"--target={target}", f"--data={convs}",
+                        f"--out_dir={tmp_path}"], input="y\ny\n", capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "needs custom code (trust_remote_code)" in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize("var,value", [("NNODES", "abc"), ("DFLASH_NGPU", "1 --nnodes=2"), ("NNODES", "-1")])
+def test_launch_sh_refuses_non_integer_knobs(var, value, tmp_path):
+    env = dict(os.environ, DFLASH_PYTHON=sys.executable, DFLASH_OUT=str(tmp_path), **{var: value})
+    p = subprocess.run(["bash", str(ROOT / "launch.sh")], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and f"{var}={value} must be a non-negative integer" in p.stderr, p.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_init_drafter_with_shape_fields_is_refused():
+    with pytest.raises(SystemExit, match="--init_drafter takes the drafter's shape from its config.json: drop "
+                                         "--block_size, --drafter_layers"):
+        train.parse_config(["--init_drafter=/x", "--block_size=8", "--drafter_layers=3", "--lr=1e-3"])
