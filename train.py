@@ -23,6 +23,7 @@ import time
 import traceback
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -31,8 +32,9 @@ from checkpoint import (list_ckpts, lock_run_dir, log_line, log_skipped, open_ru
                         resume_point, save_checkpoint, warn_config_changes, write_done, write_run_info)
 from model import DFlashDrafter, DrafterConfig, dflash_loss, drafter_config_from_target, load_drafter, sample_anchors
 from pipeline import (Capture, Colocated, Receiver, assign_roles, die_with_launcher, drafter_schedule,
-                      fill_target, frozen_tables, per_step, placement_table, reduce_stats, report_failure, role_of,
-                      run_target, setup_dist, target_decoder, teardown_dist, torchrun_env)
+                      fill_target, frozen_tables, memory_errors, memory_table, per_step,
+                      placement_table, reduce_stats, report_failure, role_of, run_target, setup_dist,
+                      target_decoder, teardown_dist, torchrun_env)
 
 
 @dataclass(frozen=True)
@@ -171,8 +173,10 @@ def train(cfg, d, target_config, tokenizer):
     lock = lock_run_dir(run_dir) if d.rank == 0 else None  # held until this process ends
     if lock:
         print(placement_table(d.world, d.world // d.nnodes, cfg), flush=True)
+        print("memory per GPU (estimate):\n" + "\n".join(memory_table(cfg, dcfg, target_config, len(d.targets) //
+                                                                      d.nnodes, colocated=d.world == 1)), flush=True)
         write_run_info(run_dir, cfg, d, dcfg)
-    batcher = load_data(cfg, d, tokenizer)
+    batcher = load_data(cfg, d, tokenizer, dcfg.mask_token_id)
     P = per_step(len(d.drafters), cfg.grad_accum)
     if batcher.steps_per_epoch < P and not cfg.max_steps:
         raise ValueError(f"{len(batcher.data)} sequences do not fill one optimizer step of {P * cfg.batch_size}")
@@ -437,8 +441,9 @@ def _existing_parent(path):
     return path
 
 
-def validate(cfg, world, target_config, tokenizer, local_world=None):
-    """Every config error at once, before any process group or GPU memory. Each message starts with the field."""
+def validate(cfg, world, target_config, tokenizer, local_world=None, device_gib=None):
+    """Every config error at once, before any process group or GPU memory. Each message starts with the field.
+    device_gib: the memory of one GPU (default: this rank's CUDA device; none on CPU)."""
     tc = target_config.get_text_config()
     errs = []
     try:
@@ -463,6 +468,8 @@ def validate(cfg, world, target_config, tokenizer, local_world=None):
                             f"[0, {tc.num_hidden_layers})")
             if dcfg.hidden_size != tc.hidden_size or dcfg.vocab_size != tc.vocab_size:
                 errs.append("drafter hidden_size/vocab_size differ from the target's")
+            if not errs:
+                errs += memory_errors(cfg, dcfg, target_config, world, device_gib)
     if errs:
         raise ValueError("invalid config:\n  " + "\n  ".join(errs))
 
@@ -494,16 +501,25 @@ def drafter_cfg(cfg, target_config, tokenizer):
         sliding_window=cfg.sliding_window if n else None)
 
 
-def load_data(cfg, d, tokenizer):
-    """Rank 0 tokenizes into the on-disk cache once; every other rank then maps it. -> Batcher."""
+def load_data(cfg, d, tokenizer, mask_id):
+    """Rank 0 tokenizes into the on-disk cache once; every other rank then maps it. -> Batcher. The mask token
+    must be one the data never holds: a drafter could not tell a masked slot from that token."""
     from data import Batcher, default_cache_dir, load_tokenized
     load = lambda: load_tokenized(cfg.data, tokenizer, cfg.max_length, default_cache_dir() / "tokenized",  # noqa
                                   skip_invalid=cfg.skip_invalid)
     data = load() if d.rank == 0 else None
     if d.world > 1:
         dist.barrier(group=d.transport)
-    return Batcher(data if data is not None else load(), cfg.batch_size, seed=cfg.seed,
-                   pad_id=tokenizer.pad_token_id or 0, pad_multiple=cfg.pad_multiple)
+    data = data if data is not None else load()
+    hits = np.flatnonzero(np.asarray(data.ids) == mask_id)
+    if hits.size:
+        i = int(np.searchsorted(data.offsets, hits[0], side="right")) - 1
+        text = tokenizer.decode(data.ids[max(data.offsets[i], hits[0] - 12):hits[0] + 4])
+        raise ValueError(f"mask_token: {tokenizer.convert_ids_to_tokens(mask_id)!r} (id {mask_id}) occurs "
+                         f"{hits.size} times in the tokenized {cfg.data}, first in its sequence {i} (...{text!r}...); "
+                         f"choose a token the data never uses")
+    return Batcher(data, cfg.batch_size, seed=cfg.seed, pad_id=tokenizer.pad_token_id or 0,
+                   pad_multiple=cfg.pad_multiple)
 
 
 def load_target(cfg, dcfg, d):

@@ -473,3 +473,31 @@ def test_init_drafter_with_shape_fields_is_refused():
     with pytest.raises(SystemExit, match="--init_drafter takes the drafter's shape from its config.json: drop "
                                          "--block_size, --drafter_layers"):
         train.parse_config(["--init_drafter=/x", "--block_size=8", "--drafter_layers=3", "--lr=1e-3"])
+
+
+def test_mask_token_the_data_uses_is_refused(tiny_target, convs, tmp_path):
+    """<|im_end|> closes every turn of the chat template: as the mask token the drafter could not tell a masked slot
+    from the end of a turn. Refused after tokenizing, before the target is loaded, naming the token and a record."""
+    p, _ = run_train(tiny_target, convs, tmp_path, 1, "--max_steps=2", "--mask_token=<|im_end|>")
+    assert p.returncode != 0
+    assert "mask_token: '<|im_end|>' (id 2) occurs" in p.stderr and "first in its sequence 0" in p.stderr, p.stderr
+    assert "target loaded" not in p.stdout
+
+
+def test_memory_estimate_refuses_what_cannot_fit_and_names_the_largest_num_anchors(valid, target_meta):
+    """On a stated device size between the estimates for 4 and 8 anchors: 8 is refused, the message names the
+    largest num_anchors that fits, which the estimate confirms (it fits, one more does not)."""
+    import pipeline
+    cfg = train.Config(**valid)
+    tc, tok = target_meta
+    dcfg = train.drafter_cfg(cfg, tc, tok)
+    need = {n: sum(sum(p.values()) for p in pipeline.memory_estimate(cfg, dcfg, tc, 2, num_anchors=n).values())
+            for n in (4, 8)}
+    device = (need[4] + need[8]) / 2 / 0.95
+    with pytest.raises(ValueError, match=r"num_anchors=8: a drafter rank needs ~") as e:
+        train.validate(train.Config(**valid), 3, tc, tok, device_gib=device)
+    fit = int(str(e.value).rsplit("the largest num_anchors that fits is ", 1)[1].split()[0])
+    assert 4 <= fit < 8
+    drafter = lambda n: sum(pipeline.memory_estimate(cfg, dcfg, tc, 2, num_anchors=n)["drafter"].values())  # noqa
+    assert drafter(fit) <= 0.95 * device < drafter(fit + 1)
+    train.validate(train.Config(**{**valid, "num_anchors": fit}), 3, tc, tok, device_gib=device)
