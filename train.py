@@ -370,7 +370,8 @@ def _each(names, ok, message):
 
 INF, MAX_STEPS, DAY = float("inf"), 10 ** 9, 86_400
 # (field, check(cfg, target text config), message): every failing row is reported, each line naming its field.
-# Numbers are checked against ranges, so nan and inf fail too. SHAPE: the fields the drafter config is derived
+# Numbers are checked against ranges, so nan and inf fail too. A 4th element lists the fields a row compares with:
+# it is skipped when one of them failed (one error, one line). SHAPE: the fields the drafter config is derived
 # from; when one fails, deriving it would only repeat the error.
 SHAPE = [
     *_each(["drafter_layers"], lambda x: 1 <= x <= 1024, "must be in [1, 1024]"),
@@ -381,7 +382,7 @@ SHAPE = [
      "must be in [0, drafter_layers={c.drafter_layers}]"),
     # training windows only the context, inference the block's own keys too: they agree only when W >= K
     ("sliding_window", lambda c, t: c.sliding_layers == 0 or c.block_size <= c.sliding_window < INF,
-     "must be >= block_size={c.block_size} when sliding_layers > 0"),
+     "must be >= block_size={c.block_size} when sliding_layers > 0", ["block_size", "sliding_layers"]),
     ("mask_token", lambda c, t: not _is_id(c.mask_token) or int(c.mask_token) < t.vocab_size,
      "must be < the target vocabulary ({t.vocab_size})"),
     ("init_drafter", lambda c, t: not c.init_drafter or all(
@@ -390,10 +391,10 @@ SHAPE = [
 ]
 RULES = SHAPE + [
     ("data", lambda c, t: os.path.isfile(c.data), "is not a file"),
-    ("max_length", lambda c, t: c.block_size <= c.max_length <= 2 ** 20, "must be in [block_size, 2^20]"),
-    ("num_anchors", lambda c, t: 1 <= c.num_anchors and (
-        c.num_anchors <= c.max_length or c.max_length < c.block_size),  # a bad max_length has its own row
-     "must be in [1, max_length] (a sequence has no more anchor positions)"),
+    ("max_length", lambda c, t: c.block_size <= c.max_length <= 2 ** 20, "must be in [block_size, 2^20]",
+     ["block_size"]),
+    ("num_anchors", lambda c, t: 1 <= c.num_anchors <= c.max_length,
+     "must be in [1, max_length] (a sequence has no more anchor positions)", ["max_length"]),
     *_each(["pad_multiple"], lambda x: 1 <= x <= 2 ** 20, "must be in [1, 2^20]"),
     *_each(["batch_size", "grad_accum", "log_every", "ckpt_every", "keep_ckpts", "max_bad_steps"],
            lambda x: 1 <= x <= 2 ** 31, "must be in [1, 2^31]"),
@@ -450,14 +451,17 @@ def validate(cfg, world, target_config, tokenizer, local_world=None, device_gib=
         assign_roles(world, cfg, local_world)
     except ValueError as e:
         errs.append(str(e))
-    failed = [(f, m) for f, ok, m in RULES if not ok(cfg, tc)]
+    failed = []
+    for f, ok, m, *after in RULES:
+        if not set(*after) & {g for g, _ in failed} and not ok(cfg, tc):
+            failed.append((f, m))
     errs += [f"{f}={getattr(cfg, f)!r} {m.format(c=cfg, t=tc)}" for f, m in failed]
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
     if _plain(cfg.run_name) and not cfg.resume and list_ckpts(run_dir):
         # a fresh run would interleave its checkpoints with the old run's (and prune the wrong ones)
         errs.append(f"resume: {run_dir} already holds checkpoints of an earlier run ({list_ckpts(run_dir)[-1]}); "
                     f"--resume=auto continues it, or pick another run_name (or delete the directory)")
-    if not {f for f, _ in failed} & {f for f, _, _ in SHAPE}:
+    if not {f for f, _ in failed} & {row[0] for row in SHAPE}:
         try:
             dcfg = drafter_cfg(cfg, target_config, tokenizer)
         except (ValueError, KeyError, OSError) as e:

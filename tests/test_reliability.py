@@ -281,6 +281,52 @@ INVALID = [
     ("shard", dict(target_shard="zero3"), "target_shard"),
     ("device", dict(device="tpu"), "device"),
     ("prefetch", dict(prefetch=0), "prefetch"),
+    # non-finite and absurd numbers: every range check also refuses nan and inf
+    ("lr inf", dict(lr=float("inf")), "lr"),
+    ("gamma nan", dict(gamma=float("nan")), "gamma"),
+    ("gamma inf", dict(gamma=float("inf")), "gamma"),
+    ("clip inf", dict(grad_clip=float("inf")), "grad_clip"),
+    ("decay inf", dict(weight_decay=float("inf")), "weight_decay"),
+    ("decay nan", dict(weight_decay=float("nan")), "weight_decay"),
+    ("decay negative", dict(weight_decay=-0.1), "weight_decay"),
+    ("warmup nan", dict(warmup_ratio=float("nan")), "warmup_ratio"),
+    ("warmup negative", dict(warmup_ratio=-0.1), "warmup_ratio"),
+    ("beta1 nan", dict(beta1=float("nan")), "beta1"),
+    ("beta1 negative", dict(beta1=-0.5), "beta1"),
+    ("epochs inf", dict(epochs=float("inf")), "epochs"),
+    ("epochs nan", dict(epochs=float("nan")), "epochs"),
+    ("epochs huge", dict(epochs=1e12), "epochs"),
+    ("epochs inf with max_steps", dict(epochs=float("inf"), max_steps=5), "epochs"),
+    ("max_steps huge", dict(max_steps=10 ** 12), "max_steps"),
+    ("seed negative", dict(seed=-1), "seed"),
+    ("seed past the RNGs", dict(seed=2 ** 32), "seed"),
+    ("timeout zero", dict(transport_timeout=0), "transport_timeout"),
+    ("timeout absurd", dict(transport_timeout=10 ** 12), "transport_timeout"),
+    ("prefetch absurd", dict(prefetch=10 ** 6), "prefetch"),
+    ("anchors past the length", dict(num_anchors=65), "num_anchors"),  # max_length 64
+    ("anchors absurd", dict(num_anchors=10 ** 9), "num_anchors"),
+    ("pad absurd", dict(pad_multiple=2 ** 40), "pad_multiple"),
+    ("pad zero", dict(pad_multiple=0), "pad_multiple"),
+    ("length absurd", dict(max_length=2 ** 40, num_anchors=8), "max_length"),
+    ("layers absurd", dict(drafter_layers=10 ** 6), "drafter_layers"),
+    ("layers zero", dict(drafter_layers=0, sliding_layers=0), "drafter_layers"),
+    ("block absurd", dict(block_size=10 ** 6), "block_size"),
+    ("batch zero", dict(batch_size=0), "batch_size"),
+    ("batch absurd", dict(batch_size=2 ** 40), "batch_size"),
+    ("accum zero", dict(grad_accum=0), "grad_accum"),
+    ("log zero", dict(log_every=0), "log_every"),
+    ("ckpt zero", dict(ckpt_every=0), "ckpt_every"),
+    ("chunk negative", dict(loss_chunk=-1), "loss_chunk"),
+    ("features negative", dict(target_features=-1), "target_features"),
+    # training windows only the context, inference the block's keys too: W < K would make them differ
+    ("window below block", dict(sliding_window=3), "sliding_window"),  # block_size 4, sliding_layers 1
+    ("window inf", dict(sliding_window=float("inf")), "sliding_window"),
+    # a mask token given as a string is one exact token; only ASCII digits are an id
+    ("mask non-ASCII digits", dict(mask_token="\u0663"), "mask_token"),  # Arabic-Indic three: not the id 3
+    ("mask two tokens", dict(mask_token="hello world"), "mask_token"),
+    ("mask token plus space", dict(mask_token="<empty_output> "), "mask_token"),
+    ("run dir outside out_dir", dict(run_name="{link}"), "run_name"),
+    ("out_dir a file", dict(out_dir="{file}"), "out_dir"),
 ]
 
 
@@ -298,8 +344,13 @@ def target_meta(tiny_target):
 
 
 @pytest.mark.parametrize("case,override,field", INVALID, ids=[c[0] for c in INVALID])
-def test_invalid_config_names_the_field(valid, target_meta, case, override, field):
+def test_invalid_config_names_the_field(valid, target_meta, case, override, field, tmp_path):
     train.validate(train.Config(**valid), 3, *target_meta)  # the base is valid: the override alone is at fault
+    os.makedirs(valid["out_dir"], exist_ok=True)
+    os.symlink(tmp_path, os.path.join(valid["out_dir"], "link"))  # a run directory that leads out of out_dir
+    (tmp_path / "file").write_text("not a directory")
+    override = {k: v.format(link="link", file=tmp_path / "file") if isinstance(v, str) else v
+                for k, v in override.items()}
     with pytest.raises(ValueError) as e:
         train.validate(train.Config(**{**valid, **override}), 3, *target_meta)
     lines = str(e.value).splitlines()[1:]
