@@ -213,8 +213,7 @@ class DrafterConfig:
     def to_json_dict(self):
         sliding = "sliding_attention" in self.layer_types
         return {
-            "architectures": ["DFlashDraftModel"],
-            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "architectures": ["DFlashDraftModel"],  # no auto_map: the engines register this name themselves
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -227,9 +226,11 @@ class DrafterConfig:
             "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
             "initializer_range": self.initializer_range,
-            # rope_theta stays top level: the authors' MLX loader reads it as a required key
+            # rope_theta stays top level: the authors' MLX loader reads it as a required key; vLLM reads
+            # rope_parameters (transformers 5 spelling, which wins over rope_theta there): both say the same
             "rope_theta": self.rope_theta,
             "rope_scaling": self.rope_scaling,
+            "rope_parameters": {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta},
             "max_position_embeddings": self.max_position_embeddings,
             "vocab_size": self.vocab_size,
             "tie_word_embeddings": False,
@@ -241,9 +242,10 @@ class DrafterConfig:
             "dtype": "bfloat16",
             "torch_dtype": "bfloat16",  # transformers 4.x spelling (the authors pin 4.57.1)
             "use_cache": True,
-            "block_size": self.block_size,
+            "block_size": self.block_size,  # the authors' loaders read it here, SGLang in dflash_config first
             "num_target_layers": self.num_target_layers,
-            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
+                              "block_size": self.block_size},
         }
 
     @classmethod

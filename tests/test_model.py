@@ -218,10 +218,11 @@ def test_save_load_roundtrip_and_config(tmp_path):
                  "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
                  "attention_bias", "attention_dropout", "rope_theta", "rope_scaling", "max_position_embeddings",
                  "vocab_size", "tie_word_embeddings", "layer_types", "use_sliding_window", "sliding_window",
-                 "max_window_layers", "dtype", "block_size", "num_target_layers", "dflash_config", "auto_map"):
+                 "max_window_layers", "dtype", "block_size", "num_target_layers", "dflash_config", "rope_parameters"):
         assert name in c, name
     assert c["architectures"] == ["DFlashDraftModel"] and c["model_type"] == "qwen3"
-    assert c["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": [1, 3, 5]}
+    assert "auto_map" not in c  # it would name a dflash.py that is not shipped
+    assert c["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": [1, 3, 5], "block_size": c["block_size"]}
     assert c["layer_types"] == ["sliding_attention", "full_attention"] and c["use_sliding_window"] is True
     # transformers reads it as a Qwen3 config with the same layout
     from transformers import Qwen3Config
@@ -337,3 +338,49 @@ def test_tiny_drafter_overfits_fixed_batch():
         losses.append(loss.item())
     assert losses[-1] < 0.1 * losses[0], (losses[0], losses[-1])
     assert r["correct_K"].sum() / r["count_K"].sum() > 0.9
+
+
+# What each engine's DFlash loader reads from a drafter directory (README "Serve a trained drafter" names the source
+# files): every field must be written, with the value that engine assumes, and the weights must be exactly these
+# names (SGLang ignores unknown weight names, so a misnamed tensor would stay uninitialized without an error).
+ENGINE_FIELDS = {
+    "vllm": ["architectures", "hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "intermediate_size", "hidden_act", "rms_norm_eps", "attention_bias",
+             "max_position_embeddings", "rope_parameters", "layer_types", "sliding_window",
+             "dflash_config.mask_token_id", "dflash_config.target_layer_ids"],
+    "sglang": ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "intermediate_size", "rms_norm_eps", "attention_bias", "max_position_embeddings", "hidden_act",
+               "layer_types", "sliding_window", "rope_parameters", "rope_theta", "dflash_config.block_size",
+               "dflash_config.target_layer_ids", "dflash_config.mask_token_id", "num_target_layers"],
+    "z-lab": ["block_size", "num_target_layers", "dflash_config.target_layer_ids", "dflash_config.mask_token_id",
+              "layer_types", "sliding_window", "rope_theta", "hidden_size", "num_hidden_layers"],
+}
+LAYER_WEIGHTS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
+                 "self_attn.k_norm", "input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
+                 "mlp.down_proj"]
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINE_FIELDS))
+def test_checkpoint_carries_what_each_engine_reads(tmp_path, engine):
+    cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, vocab_size=100, mask_token_id=7, block_size=8,
+                        target_layer_ids=[1, 3], num_target_layers=6, rope_theta=5e5,
+                        layer_types=["sliding_attention", "full_attention"], sliding_window=16)
+    save_drafter(DFlashDrafter(cfg), tmp_path)
+    c = json.loads((tmp_path / "config.json").read_text())
+    for name in ENGINE_FIELDS[engine]:
+        value = c
+        for part in name.split("."):
+            assert part in value, f"{engine} reads {name}"
+            value = value[part]
+        assert value is not None, f"{engine} reads {name}"
+    assert c["hidden_act"] == "silu" and c["architectures"] == ["DFlashDraftModel"]
+    assert "rope_scaling" in c  # None: no scaling (transformers 4.57, the authors' pin, reads it beside rope_theta)
+    assert c["rope_parameters"]["rope_theta"] == c["rope_theta"] == 5e5  # vLLM / transformers 5 read this one
+    assert c["dflash_config"]["block_size"] == c["block_size"] == 8
+    assert c["dflash_config"]["target_layer_ids"] == [1, 3] and c["num_target_layers"] == 6
+    from safetensors import safe_open
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert keys == {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
+        f"layers.{i}.{w}.weight" for i in range(2) for w in LAYER_WEIGHTS}
