@@ -7,6 +7,7 @@ done.json once the run is over. Checkpoints are written aside and renamed, so a 
 Test: python -m pytest -q tests/test_reliability.py
 """
 
+import datetime
 import json
 import math
 import os
@@ -198,7 +199,7 @@ def lock_run_dir(run_dir):
 # logs: one human line and one metrics.jsonl record per log step, curves.png at each checkpoint
 
 
-def log_line(d, run_dir, step, total, s, gnorm, lr, dt, recompiles, bad_steps=0):
+def log_line(d, run_dir, step, total, s, gnorm, lr, dt, recompiles, bad_steps=0, eta_s=0.0):
     s = {k: (v.item() if v.numel() == 1 else v) for k, v in s.items()}
     correct, count = s["correct_K"], s["count_K"]
     T, Dr = len(d.targets), len(d.drafters)
@@ -212,10 +213,11 @@ def log_line(d, run_dir, step, total, s, gnorm, lr, dt, recompiles, bad_steps=0)
                lr=lr, grad_norm=gnorm, tok_s=s["tokens"] / dt, seq_s=s["sequences"] / dt, target_busy=t_busy,
                drafter_busy=d_busy, target_seq_s_per_gpu=cap_t, drafter_seq_s_per_gpu=cap_d,
                balanced_target_gpus=balance, mem_gb=mem, recompiles=recompiles, bad_steps=bad_steps,
-               acc_k=(correct / count.clamp(min=1)).tolist()[1:], time=time.time())
+               acc_k=(correct / count.clamp(min=1)).tolist()[1:], eta_s=eta_s, time=time.time())
     print(f"step={step}/{total} loss={rec['loss']:.4f} acc={rec['acc']:.3f} tau_est={rec['tau_est']:.2f} "
           f"lr={lr:.2e} gnorm={gnorm:.2f} tok/s={rec['tok_s']:.0f} target_busy={t_busy:.0%} "
-          f"drafter_busy={d_busy:.0%} mem={mem:.1f}GB | capacity seq/s/GPU target={cap_t:.2f} "
+          f"drafter_busy={d_busy:.0%} mem={mem:.1f}GB eta={datetime.timedelta(seconds=round(eta_s))} | "
+          f"capacity seq/s/GPU target={cap_t:.2f} "
           f"drafter={cap_d:.2f}" + ("" if d.world == 1 else f" -> balanced split {balance:.1f}:{d.world - balance:.1f}")
           + (f" RECOMPILES={recompiles}" if recompiles else "")
           + (f" SKIPPED_STEPS={bad_steps}" if bad_steps else ""), flush=True)

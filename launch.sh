@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The one command:  bash launch.sh [--field=value ...]   (the arguments go to train.py)
+#                   bash launch.sh test [pytest args]   (the CPU test suite, in the same environment)
 #   8+ GPUs, or NNODES > 1: the real recipe (train.py's Config: 5 target + 3 drafter ranks a node); add --target= --data=
 #   1-7 GPUs, or none: the demo (SmolLM2-135M + chitchat, data.demo_settings): its corpus (built once, cached),
 #     training, then the held-out tau of the trained drafter next to the untrained one's (eval.py --demo)
@@ -21,6 +22,7 @@ if [ -n "${DFLASH_PYTHON:-}" ]; then PY=$DFLASH_PYTHON; else
   fi
   PY=.venv/bin/python
 fi
+if [ "${1:-}" = test ]; then exec "$PY" -m pytest -q tests "${@:2}"; fi
 NGPU=${DFLASH_NGPU:-$("$PY" -c 'import torch; print(torch.cuda.device_count())')}
 NNODES=${NNODES:-1}
 int DFLASH_NGPU "$NGPU"; int NNODES "$NNODES"

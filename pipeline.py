@@ -169,106 +169,74 @@ def placement_table(world, local_world, cfg):
     return "\n".join(lines)
 
 # -----------------------------------------------------------------------------
-# memory per GPU, from the configs alone (start-up refusal, train.py --plan)
+# memory per GPU, from the configs alone (the start-up check and its printout)
 
 GiB = 2 ** 30
 
 
-def drafter_params(dcfg):
-    D, H, Hkv, hd, F = (dcfg.hidden_size, dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim,
-                        dcfg.intermediate_size)
-    per_layer = D * (2 * H * hd + 2 * Hkv * hd + 3 * F) + 2 * D + 2 * hd
-    return len(dcfg.target_layer_ids) * D * D + dcfg.num_hidden_layers * per_layer + 2 * D
-
-
-def target_params(target_config, n_layers):
-    """(parameters of the decoder's first n_layers, of its largest layer): built on the meta device, no memory."""
+def memory_estimate(cfg, dcfg, target_config, targets_per_node, num_anchors=None):
+    """GiB per GPU by role and part, for a micro-batch of batch_size sequences of max_length tokens. Drafter: its
+    state (bf16 weights and gradients, fp32 masters, Adam's moments, the flat fp32 gradient), the frozen embedding and
+    head, the target's states, the activations the layers save for backward (per block row, per context position),
+    one LM-head chunk (logits, fp32 softmax, gradient). Target: its shard, the gathered layers (current and next),
+    one layer's forward activations, the states in flight. Matches measured peaks within a few percent
+    (BENCHMARKS.md)."""
+    N, S, B, b = num_anchors or cfg.num_anchors, cfg.max_length, cfg.batch_size, 2 if cfg.dtype == "bfloat16" else 4
+    D, F, V, K, L = dcfg.hidden_size, dcfg.intermediate_size, dcfg.vocab_size, dcfg.block_size, dcfg.num_hidden_layers
+    q, kv = dcfg.num_attention_heads * dcfg.head_dim, dcfg.num_key_value_heads * dcfg.head_dim
+    nK = len(dcfg.target_layer_ids)
+    P = nK * D * D + L * (D * (2 * q + 2 * kv + 3 * F) + 2 * D + 2 * dcfg.head_dim) + 2 * D  # drafter parameters
+    R, C = B * N * K, B * S  # block rows, context positions
     from transformers import AutoModelForCausalLM
-    tc = target_config.get_text_config()
-    with torch.device("meta"):
-        dec = AutoModelForCausalLM.from_config(tc).get_decoder()
-    sizes = [sum(p.numel() for p in layer.parameters()) for layer in dec.layers[:n_layers]]
-    return sum(sizes) + dec.embed_tokens.weight.numel(), max(sizes)
+    with torch.device("meta"):  # the target's parameter counts, from its config: nothing is allocated
+        dec = AutoModelForCausalLM.from_config(target_config.get_text_config()).get_decoder()
+    layers = [sum(p.numel() for p in x.parameters()) for x in dec.layers[:max(dcfg.target_layer_ids) + 1]]
+    T = targets_per_node if cfg.target_shard == "fsdp" else 1
+    tc = dec.config
+    parts = {"drafter": {"state": P * (2 * b + (4 if b == 2 else 0) + 12), "embedding + head": 2 * V * D * b,
+                         "target states": C * nK * D * b,
+                         "activations": (L * (R * (4 * D + 3 * q + 3 * kv + 3 * F) + (C + R) * 3 * kv) + C * 2 * D) * b,
+                         "LM-head chunk": min((cfg.loss_chunk or N) * K, R) * V * (2 * b + 8) + R * D * b,
+                         # CPU: SDPA with a dense [B, 1, Q, KV] mask materializes the scores of every layer type
+                         "dense attention": 0 if _on_gpu(cfg) else B * (dcfg.num_attention_heads * 2 * b + 2) * N * K
+                         * (S + N * K) * len(set(dcfg.layer_types))},
+             "target": {"shard": (sum(layers) + dec.embed_tokens.weight.numel()) * b / T,
+                        "gathered layers": 2 * max(layers) * b if T > 1 else 0,
+                        "activations": C * (6 * tc.hidden_size + 3 * tc.intermediate_size) * b,
+                        "states in flight": C * nK * D * b * (cfg.prefetch + 1)}}
+    return {role: {k: v / GiB for k, v in p.items()} for role, p in parts.items()}
 
 
-def memory_estimate(cfg, dcfg, target_config, targets_per_node, num_anchors=None, max_length=None):
-    """GiB per GPU by role and part, for one micro-batch of batch_size sequences of max_length tokens with
-    num_anchors blocks each. Drafter: bf16 weights and their gradients, fp32 masters, Adam's two moments and the flat
-    fp32 gradient buffer; the frozen embedding and LM head; the target's hidden states; the activations the
-    compiled layers save for backward (per block row and per context position); one LM-head chunk's logits with
-    their fp32 softmax and gradient. Target: its FSDP shard, the all-gathered layer in use and the next, one
-    layer's forward activations, and the hidden states in flight to drafters."""
-    N, S, B = num_anchors or cfg.num_anchors, max_length or cfg.max_length, cfg.batch_size
-    b = 2 if cfg.dtype == "bfloat16" else 4
-    D, F, V, K = dcfg.hidden_size, dcfg.intermediate_size, dcfg.vocab_size, dcfg.block_size
-    H, Hkv, hd, nK = dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim, len(dcfg.target_layer_ids)
-    P, R, C = drafter_params(dcfg), B * N * K, B * S
-    hidden = C * nK * D * b
-    rows = (cfg.loss_chunk or N) * K
-    drafter = {
-        "weights + grads + fp32 masters + Adam + flat grad": P * (2 * b + (4 if b == 2 else 0) + 8 + 4),
-        "frozen embedding + LM head": 2 * V * D * b,
-        "target hidden states": hidden,
-        "activations": dcfg.num_hidden_layers * (R * (4 * D + 3 * H * hd + 3 * Hkv * hd + 3 * F) * b
-                                                 + (C + R) * 3 * Hkv * hd * b) + C * 2 * D * b,
-        "LM-head chunk": min(rows, R) * V * (2 * b + 8) + R * D * b,
-    }
-    tc = target_config.get_text_config()
-    Pt, layer = target_params(target_config, max(dcfg.target_layer_ids) + 1)
-    shard = targets_per_node if cfg.target_shard == "fsdp" else 1
-    target = {
-        "weights (this rank's shard)": Pt * b / shard,
-        "all-gathered layers (current + next)": 2 * layer * b if shard > 1 else 0,
-        "forward activations": C * (6 * tc.hidden_size + 3 * tc.intermediate_size) * b,
-        "hidden states in flight": hidden * (cfg.prefetch + 1),
-    }
-    return {role: {k: v / GiB for k, v in parts.items()} for role, parts in (("drafter", drafter), ("target", target))}
+def _on_gpu(cfg):
+    return cfg.device != "cpu" and torch.cuda.is_available()
 
 
-def memory_table(cfg, dcfg, target_config, targets_per_node, colocated=False):
-    """Lines: each role's GiB per GPU, by part (colocated: one GPU holds both)."""
-    est = memory_estimate(cfg, dcfg, target_config, 1 if colocated else targets_per_node)
-    lines = []
-    for role, parts in est.items():
-        lines.append(f"  {role} rank: {sum(parts.values()):.1f} GiB = " +
-                     " + ".join(f"{v:.2f} {k}" for k, v in parts.items()))
-    if colocated:
-        lines.append(f"  colocated (one GPU, both roles): {sum(sum(p.values()) for p in est.values()):.1f} GiB")
-    return lines
+def memory_check(cfg, dcfg, target_config, world, device_gib=None):
+    """-> (lines to print, errors). A config whose estimate passes a device's memory (device_gib; default this rank's
+    GPU, or on CPU the host's share per process) is refused before anything is loaded, with the largest num_anchors
+    that fits."""
+    T = max(1, cfg.target_ranks) if world > 1 else 1
 
+    def need(n=None):  # GiB per device of each role at num_anchors n; one process holds both roles
+        total = {r: sum(p.values()) for r, p in memory_estimate(cfg, dcfg, target_config, T, n).items()}
+        return {"target+drafter": sum(total.values())} if world == 1 else total
 
-def largest_anchors(cfg, dcfg, target_config, targets_per_node, gib, max_length=None, colocated=False):
-    """The largest num_anchors whose estimate fits `gib` per GPU at max_length (0: none fits)."""
-    def need(n):
-        est = memory_estimate(cfg, dcfg, target_config, targets_per_node, num_anchors=n, max_length=max_length)
-        return sum(est["drafter"].values()) + (sum(est["target"].values()) if colocated else 0)
-    lo, hi = 0, max_length or cfg.max_length
-    while lo < hi:  # the estimate grows with n: bisect
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if need(mid) <= gib else (lo, mid - 1)
-    return lo
-
-def memory_errors(cfg, dcfg, target_config, world, device_gib=None):
-    """train.py's start-up check: a config whose estimate passes the GPU's memory (device_gib; default: this rank's
-    CUDA device, none on CPU) is refused before anything is loaded, not by the allocator mid-run, with the largest
-    num_anchors that would fit."""
-    if device_gib is None and cfg.device != "cpu" and torch.cuda.is_available():
+    lines = [f"  {r} rank: {sum(p.values()):.1f} GiB = " + " + ".join(f"{v:.2f} {k}" for k, v in p.items())
+             for r, p in memory_estimate(cfg, dcfg, target_config, T).items()]
+    if device_gib is None and _on_gpu(cfg):
         device_gib = torch.cuda.get_device_properties(torchrun_env().local_rank).total_memory / GiB
-    if device_gib is None:
-        return []
-    colocated, T = world == 1, max(1, cfg.target_ranks)
-    est = memory_estimate(cfg, dcfg, target_config, T)
-    need = {r: sum(p.values()) for r, p in est.items()}
-    usable = 0.95 * device_gib  # the CUDA context and the allocator's fragmentation take the rest
-    roles = [("target+drafter", need["drafter"] + need["target"])] if colocated else list(need.items())
-    over = [(r, n) for r, n in roles if n > usable]
-    if not over:
-        return []
-    fit = largest_anchors(cfg, dcfg, target_config, T, usable, colocated=colocated)
-    return [f"num_anchors={cfg.num_anchors}: a {r} rank needs ~{n:.1f} GiB at max_length={cfg.max_length}, "
-            f"batch_size={cfg.batch_size} (a GPU here has {device_gib:.1f} GiB, {usable:.1f} usable); the largest "
-            f"num_anchors that fits is {fit}" + (" (the target alone does not fit: more target_ranks)" if fit == 0
-                                                 or r == "target" else "") for r, n in over]
+    elif device_gib is None:  # CPU: the processes of this node share its memory
+        device_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB / torchrun_env().local_world
+    usable = 0.95 * device_gib  # the CUDA context or the interpreter, and the allocator's fragmentation, take the rest
+    over = {r: x for r, x in need().items() if x > usable}
+    lo, hi = 0, cfg.max_length  # the largest num_anchors that fits: the estimate grows with it, so bisect
+    while over and lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if max(need(mid).values()) <= usable else (lo, mid - 1)
+    fit = f"the largest num_anchors that fits is {lo}" if lo else "no num_anchors fits this max_length, batch_size"
+    return lines, [f"num_anchors={cfg.num_anchors}: a {r} rank needs ~{x:.1f} GiB at max_length={cfg.max_length}, "
+                   f"batch_size={cfg.batch_size} (a device here has {device_gib:.1f} GiB, {usable:.1f} usable); {fit}"
+                   for r, x in over.items()]
 
 
 # -----------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from checkpoint import (list_ckpts, lock_run_dir, log_line, log_skipped, open_ru
                         resume_point, save_checkpoint, warn_config_changes, write_done, write_run_info)
 from model import DFlashDrafter, DrafterConfig, dflash_loss, drafter_config_from_target, load_drafter, sample_anchors
 from pipeline import (Capture, Colocated, Receiver, assign_roles, die_with_launcher, drafter_schedule,
-                      fill_target, frozen_tables, memory_errors, memory_table, per_step,
+                      fill_target, frozen_tables, memory_check, per_step,
                       placement_table, reduce_stats, report_failure, role_of, run_target, setup_dist,
                       target_decoder, teardown_dist, torchrun_env)
 
@@ -173,8 +173,8 @@ def train(cfg, d, target_config, tokenizer):
     lock = lock_run_dir(run_dir) if d.rank == 0 else None  # held until this process ends
     if lock:
         print(placement_table(d.world, d.world // d.nnodes, cfg), flush=True)
-        print("memory per GPU (estimate):\n" + "\n".join(memory_table(cfg, dcfg, target_config, len(d.targets) //
-                                                                      d.nnodes, colocated=d.world == 1)), flush=True)
+        print("memory per GPU (estimate):\n" + "\n".join(memory_check(cfg, dcfg, target_config, d.world)[0]),
+              flush=True)
         write_run_info(run_dir, cfg, d, dcfg)
     batcher = load_data(cfg, d, tokenizer, dcfg.mask_token_id)
     P = per_step(len(d.drafters), cfg.grad_accum)
@@ -202,6 +202,9 @@ def train(cfg, d, target_config, tokenizer):
         optim.load(state)
     if d.device.type == "cuda":
         configure_compile()
+        if d.leader:
+            print("compiling the drafter layers and flex attention: the first steps (two lengths) take longer",
+                  flush=True)
     source = Colocated(batcher, capture, d.device) if d.is_target else Receiver(
         cfg, d, len(dcfg.target_layer_ids) * dcfg.hidden_size, dtype, drafter_schedule(d, cfg.grad_accum, start, total))
     open_run_dir(d, run_dir, drafter, start if state else None)
@@ -235,7 +238,7 @@ def accumulate(step, cfg, models, source, schedule):
 def train_drafter(cfg, d, run_dir, models, optim, source, start, total, state, resume):
     """The loop: accumulate, all-reduce the statistics, step (or skip a non-finite step), log, checkpoint."""
     schedule = drafter_schedule(d, cfg.grad_accum, start, total)
-    acc, t_log, warm_graphs, gnorm_ok, lengths = None, time.perf_counter(), None, float("nan"), set()
+    acc, t_log, logged, warm_graphs, gnorm_ok, lengths = None, time.perf_counter(), start, None, float("nan"), set()
     # non-finite steps: skipped in total (kept across resumes) and in a row; checkpoints are written only outside a
     # bad streak, so the newest checkpoint is the last good one and keep_ckpts never prunes it away
     bad_steps, streak, last_good = (state.get("bad_steps", 0) if state else 0), 0, resume
@@ -263,10 +266,11 @@ def train_drafter(cfg, d, run_dir, models, optim, source, start, total, state, r
         if warm_graphs is None and done - start >= 2 and len(lengths) >= 2:  # compile warm-up is over once two
             warm_graphs = compile_count()  # lengths were seen: compiled code is then dynamic in the length
         if d.leader and (done % cfg.log_every == 0 or done == total):
+            dt = time.perf_counter() - t_log
             if acc is not None:  # (an interval of skipped steps only has nothing to average: its lines say it)
-                log_line(d, run_dir, done, total, acc, gnorm_ok, lr, time.perf_counter() - t_log,
-                         compile_count() - (warm_graphs or compile_count()), bad_steps)
-            acc, t_log = None, time.perf_counter()
+                log_line(d, run_dir, done, total, acc, gnorm_ok, lr, dt, compile_count() - (warm_graphs or
+                         compile_count()), bad_steps, eta_s=dt / (done - logged) * (total - done))
+            acc, t_log, logged = None, time.perf_counter(), done
         if streak == 0 and (done % cfg.ckpt_every == 0 or done == total):
             last_good = os.path.join(run_dir, f"ckpt-{done:07d}")
             if d.leader:
@@ -473,7 +477,7 @@ def validate(cfg, world, target_config, tokenizer, local_world=None, device_gib=
             if dcfg.hidden_size != tc.hidden_size or dcfg.vocab_size != tc.vocab_size:
                 errs.append("drafter hidden_size/vocab_size differ from the target's")
             if not errs:
-                errs += memory_errors(cfg, dcfg, target_config, world, device_gib)
+                errs += memory_check(cfg, dcfg, target_config, world, device_gib)[1]
     if errs:
         raise ValueError("invalid config:\n  " + "\n  ".join(errs))
 

@@ -327,6 +327,7 @@ INVALID = [
     ("mask token plus space", dict(mask_token="<empty_output> "), "mask_token"),
     ("run dir outside out_dir", dict(run_name="{link}"), "run_name"),
     ("out_dir a file", dict(out_dir="{file}"), "out_dir"),
+    ("more than any machine holds", dict(max_length=2 ** 20, num_anchors=2 ** 19), "num_anchors"),  # memory check
 ]
 
 
@@ -542,13 +543,12 @@ def test_memory_estimate_refuses_what_cannot_fit_and_names_the_largest_num_ancho
     cfg = train.Config(**valid)
     tc, tok = target_meta
     dcfg = train.drafter_cfg(cfg, tc, tok)
-    need = {n: sum(sum(p.values()) for p in pipeline.memory_estimate(cfg, dcfg, tc, 2, num_anchors=n).values())
-            for n in (4, 8)}
+    need = {n: sum(pipeline.memory_estimate(cfg, dcfg, tc, 2, n)["drafter"].values()) for n in (4, 8)}
     device = (need[4] + need[8]) / 2 / 0.95
     with pytest.raises(ValueError, match=r"num_anchors=8: a drafter rank needs ~") as e:
         train.validate(train.Config(**valid), 3, tc, tok, device_gib=device)
     fit = int(str(e.value).rsplit("the largest num_anchors that fits is ", 1)[1].split()[0])
     assert 4 <= fit < 8
-    drafter = lambda n: sum(pipeline.memory_estimate(cfg, dcfg, tc, 2, num_anchors=n)["drafter"].values())  # noqa
+    drafter = lambda n: sum(pipeline.memory_estimate(cfg, dcfg, tc, 2, n)["drafter"].values())  # noqa: E731
     assert drafter(fit) <= 0.95 * device < drafter(fit + 1)
     train.validate(train.Config(**{**valid, "num_anchors": fit}), 3, tc, tok, device_gib=device)
