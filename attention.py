@@ -1,14 +1,14 @@
 """
 The DFlash training attention: who may look at whom, and two executors of that one rule.
 
-Layout (DFLASH_SPEC §3.1). For a batch row with S context tokens and N anchored blocks of K tokens:
+Layout. For a batch row with S context tokens and N anchored blocks of K tokens:
   queries  Q = N*K rows    [block_0 | block_1 | ... | block_{N-1}]     (context is never a query)
   keys    KV = S + N*K     [context 0..S-1 | block_0 | ... | block_{N-1}]
 Query (block n, offset j) with anchor p sees
-  - context keys kv < p, STRICTLY (at inference the anchor's own target feature does not exist yet, spec §7.5);
+  - context keys kv < p, STRICTLY (at inference the anchor's own target feature does not exist yet);
   - its own block: all of it on full-attention layers (bidirectional), offsets <= j on sliding layers (causal);
-  - on sliding layers the context is also window-bounded: kv >= p + j - (W - 1) (SpecForge/vLLM semantics, spec §1.5);
-  - nothing at all if the block is padding (keep=False): such rows give exact zeros, never NaN (spec §8.8).
+  - on sliding layers the context is also window-bounded: kv >= p + j - (W - 1) (SpecForge/vLLM semantics);
+  - nothing at all if the block is padding (keep=False): such rows give exact zeros, never NaN.
 
 Executors:
   - CUDA: compiled `flex_attention` with a BlockMask built straight from the sorted anchors (`dflash_block_mask`):
@@ -166,14 +166,14 @@ def build_masks(anchors_BN, keep_BN, S, K, layer_types, window, backend):
 # -----------------------------------------------------------------------------
 # executors
 
-# Compiled once per process (torchrun gives every GPU its own process, so no compiled code is ever shared
-# between threads). Lazy: nothing compiles until the first call.
-_flex_compiled = torch.compile(flex_attention)
+# The compiled flex kernel, once per process (torchrun gives every GPU its own process, so no compiled code is
+# ever shared between threads). Lazy: nothing compiles until the first call.
+flex_compiled = torch.compile(flex_attention)
 
 
 def configure_compile(recompile_limit=16):
     """Make a recompile storm loud: past the limit dynamo would silently run flex eagerly, materializing
-    the full score matrix (ANCHORS §3b); with fail_on_recompile_limit_hit it raises instead."""
+    the full Q x KV score matrix (out of memory at training shapes); with fail_on_recompile_limit_hit it raises."""
     import torch._dynamo
     torch._dynamo.config.recompile_limit = recompile_limit
     torch._dynamo.config.fail_on_recompile_limit_hit = True
@@ -189,7 +189,7 @@ def attend(q_BHQd, k_BHkvd, v_BHkvd, mask):
     """Attention of block queries over [context; blocks] keys. GQA: H query heads share H/Hkv K/V heads.
     mask is a BlockMask (compiled flex, CUDA) or a dense bool [B,1,Q,KV] (SDPA, any device)."""
     if isinstance(mask, BlockMask):  # inside a compiled layer: the plain op, traced into that graph
-        flex = flex_attention if torch.compiler.is_compiling() else _flex_compiled
+        flex = flex_attention if torch.compiler.is_compiling() else flex_compiled
         return flex(q_BHQd, k_BHkvd, v_BHkvd, block_mask=mask, enable_gqa=True)
     # SDPA on a row with no allowed key returns NaN; let such rows see everything, then zero them
     row_ok = mask.any(-1, keepdim=True)  # [B,1,Q,1]

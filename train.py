@@ -524,8 +524,8 @@ def load_data(cfg, d, tokenizer, mask_id):
         i = int(np.searchsorted(data.offsets, hits[0], side="right")) - 1
         text = tokenizer.decode(data.ids[max(data.offsets[i], hits[0] - 12):hits[0] + 4])
         raise ValueError(f"mask_token: {tokenizer.convert_ids_to_tokens(mask_id)!r} (id {mask_id}) occurs "
-                         f"{hits.size} times in the tokenized {cfg.data}, first in its sequence {i} (...{text!r}...); "
-                         f"choose a token the data never uses")
+                         f"{hits.size} times in the tokenized data, first at {cfg.data}:{int(data.lines[i])} "
+                         f"(...{text!r}...); choose a token the data never uses")
     return Batcher(data, cfg.batch_size, seed=cfg.seed, pad_id=tokenizer.pad_token_id or 0,
                    pad_multiple=cfg.pad_multiple)
 

@@ -9,7 +9,7 @@ from model import sample_anchors
 
 
 def reference_mask(anchors, keep, S, K, window):
-    """Independent statement of DFLASH_SPEC §3.1, one query row at a time."""
+    """Independent statement of the mask rule (the layout in attention.py's docstring), one query row at a time."""
     B, N = anchors.shape
     m = torch.zeros(B, 1, N * K, S + N * K, dtype=torch.bool)
     for b in range(B):

@@ -1,6 +1,6 @@
 """
 Tests for data.py: loss masks on exact token positions (three chat templates), validation of
-broken records, the tokenized cache, exact batch resume and sharding, and regeneration equal to
+broken records, the tokenized cache, exact batch resume, and regeneration equal to
 HF greedy generate. The SmolLM2 target is converted once into $DFLASH_CACHE (or
 ~/.cache/dflash-trainer) and reused across runs.
 
@@ -156,36 +156,112 @@ BAD = {  # line -> reason in bad_records.jsonl
     2: "malformed JSON", 3: "not UTF-8", 4: "not an object", 5: "no conversation", 6: "conversation not a list",
     7: "empty conversation", 8: "malformed turn", 9: "unknown role", 10: "non-string content",
     11: "misplaced system turn", 12: "no assistant turn", 15: "malformed turn", 16: "non-string content",
-    18: "unknown role", 19: "not an object"}
+    18: "unknown role", 19: "not an object", 20: "both conversation keys", 21: "duplicate key: 'content'",
+    22: "nesting too deep", 23: "number too large: Exceeds the limit (4300 digits)", 24: "lone surrogate: U+D800",
+    25: "non-standard JSON: NaN", 26: "data after the record", 27: "line too long: 120001 bytes; limit 120000",
+    28: "record too large: 2001 characters; limit 2000", 29: "too many turns: 65; limit 64",
+    30: "unread turn field: turn 1 has weight=0", 31: "control token in content: turn 0 holds '<|im_end|>'",
+    32: "template refused the conversation: Conversation roles must alternate",
+    33: "template cannot place the answer: assistant turn 1"}
+TOKENIZER_KINDS = {31, 32, 33}  # found with the target's tokenizer only (load_tokenized, regenerate)
+# SmolLM2's ChatML plus what real templates do: refuse roles that do not alternate (Mistral, Gemma), keep only the
+# text after `</think>` of an answer (Qwen3)
+STRICT_TEMPLATE = (
+    "{%- for m in messages %}{%- if loop.index0 > 0 and m.role == messages[loop.index0 - 1].role %}"
+    "{{- raise_exception('Conversation roles must alternate') }}{%- endif %}"
+    "{%- set c = m.content.split('</think>')[-1] if m.role == 'assistant' else m.content %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + c + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
-def test_bad_records_each_raise_with_file_line(tmp_path):
+@pytest.fixture
+def small_limits(monkeypatch):
+    """Size limits the table's lines 27-29 are just past (the real ones would need megabytes of fixture)."""
+    monkeypatch.setattr(data, "MAX_LINE_BYTES", 120_000)
+    monkeypatch.setattr(data, "MAX_RECORD_CHARS", 2000)
+    monkeypatch.setattr(data, "MAX_TURNS", 64)
+
+
+def test_bad_records_each_raise_with_file_line(tmp_path, small_limits, target_dir):
     lines = (HERE / "bad_records.jsonl").read_bytes().split(b"\n")
     good = lines[0]
-    assert len(set(BAD.values())) >= 10
+    assert len({r.split(":")[0] for r in BAD.values()}) >= 25  # distinct kinds
+    tok = tokenizer_with(target_dir, STRICT_TEMPLATE)
     for bad_line, reason in BAD.items():
         # only this line is broken, every other bad line replaced by a good record: line numbers hold
         body = [lines[i] if i + 1 == bad_line or i + 1 not in BAD else good for i in range(len(lines))]
         path = tmp_path / f"bad{bad_line}.jsonl"
         path.write_bytes(b"\n".join(body))
-        with pytest.raises(ValueError) as e:
-            data.read_conversations(path)
-        assert str(e.value).startswith(f"{path}:{bad_line}: {reason}"), str(e.value)
+        readers = [lambda: data.load_tokenized(path, tok, 512)]
+        if bad_line not in TOKENIZER_KINDS:
+            readers.append(lambda: data.read_conversations(path))
+        for read in readers:
+            with pytest.raises(ValueError) as e:
+                read()
+            assert str(e.value).startswith(f"{path}:{bad_line}: {reason}"), str(e.value)
 
 
-def test_bad_records_skipped_and_counted(tmp_path, capsys, target_dir):
+def test_bad_records_skipped_and_counted(tmp_path, capsys, target_dir, small_limits):
     path = HERE / "bad_records.jsonl"
     convs, report = data.read_conversations(path, skip_invalid=True)
-    assert [(line, kind) for line, kind, _ in report.skips] == sorted(BAD.items())
-    assert report.read == 18 and len(convs) == 3  # 19 lines, one blank
+    kinds = {line: r.split(":")[0] for line, r in BAD.items()}
+    assert [(line, kind) for line, kind, _ in report.skips] == sorted((k, v) for k, v in kinds.items()
+                                                                     if k not in TOKENIZER_KINDS)
+    assert report.read == 32 and len(convs) == 6  # 33 lines, one blank; 3 pass reading, not the tokenizer
     assert convs[1] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."},
                         {"role": "assistant", "content": "Blue."}]  # ShareGPT normalized
-    # the empty answer survives reading but is skipped, and counted, at tokenization
-    tok = tokenizer_with(target_dir, None)
+    # the empty answer survives reading but is skipped, and counted, at tokenization; so are the tokenizer's kinds
+    tok = tokenizer_with(target_dir, STRICT_TEMPLATE)
     tokd = data.load_tokenized(path, tok, 512, skip_invalid=True)
     out = capsys.readouterr().out
-    assert len(tokd) == 2
-    assert "skipped 16" in out and "<2 consecutive supervised tokens: 1" in out and "unknown role: 2" in out
+    assert len(tokd) == 2 and tokd.lines.tolist() == [1, 13]  # each sequence's source line
+    assert "skipped 30" in out and "<2 consecutive supervised tokens: 1" in out and "unknown role: 2" in out
+    for kind in set(kinds.values()):
+        assert f"{kind}: " in out, kind
+
+
+def test_control_tokens_in_content_refused(tmp_path, target_dir, tiny):
+    """Every special or added token of the tokenizer, written as text in any turn, refuses the record (it would be
+    tokenized as the control token and supervised); regeneration refuses it too, before generating."""
+    tok = tokenizer_with(target_dir, None)
+    for j, token in ((0, "<|im_start|>"), (1, tok.eos_token), (1, "<empty_output>"), (0, "<|endoftext|>")):
+        conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+        conv[j]["content"] += f" {token} more"
+        path = tmp_path / "c.jsonl"
+        path.write_text(json.dumps({"messages": MULTI}) + "\n" + json.dumps({"messages": conv}) + "\n")
+        with pytest.raises(ValueError, match=f"c.jsonl:2: control token in content: turn {j} holds {token!r}"):
+            data.load_tokenized(path, tok, 64)
+        assert len(data.load_tokenized(path, tok, 64, skip_invalid=True)) == 1
+        with pytest.raises(ValueError, match="c.jsonl:2: control token in content"):
+            data.regenerate(*tiny, path, tmp_path / "o.jsonl", max_new_tokens=2)
+    assert data.read_conversations(path)[0][1] == conv  # text alone: reading without a tokenizer keeps it
+
+
+def test_generated_control_token_ends_the_answer(monkeypatch, tiny):
+    """A control token the target generates (other than eos) is never answer text: the answer ends before it."""
+    model, tok = tiny
+    hi, im_start = tok.encode("Hi there", add_special_tokens=False), tok.convert_tokens_to_ids("<|im_start|>")
+    monkeypatch.setattr(model, "generate", lambda input_ids, **kw: torch.cat(
+        [input_ids, torch.tensor([hi + [im_start] + hi])], 1))
+    answers, n, unfinished, _ = data._generate(model, tok, [[{"role": "user", "content": "Hi"}]], 8, {})
+    assert answers == ["Hi there"] and n == len(hi) + 1 and unfinished == 0
+
+
+def test_size_limits_are_exact(tmp_path, monkeypatch):
+    """A record at a limit is read, one past it refused: content characters, turns, and JSONL line bytes (counted
+    with the newline, the line refused unparsed)."""
+    monkeypatch.setattr(data, "MAX_RECORD_CHARS", 10)
+    monkeypatch.setattr(data, "MAX_TURNS", 4)
+    rec = lambda a, turns=2: json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant",
+                                                      "content": a}] * (turns // 2)}) + "\n"  # noqa: E731
+    (tmp_path / "a.jsonl").write_text(rec("x" * 8) + rec("x" * 9) + rec("x", 4) + rec("x", 6))
+    _, report = data.read_conversations(tmp_path / "a.jsonl", skip_invalid=True)
+    assert [(line, kind) for line, kind, _ in report.skips] == [(2, "record too large"), (4, "too many turns")]
+    monkeypatch.setattr(data, "MAX_LINE_BYTES", len(rec("x" * 8)))
+    (tmp_path / "b.jsonl").write_text(rec("x" * 8) + rec("x" * 7) + "[" * 1000 + "\n" + rec("x" * 8))
+    _, report = data.read_conversations(tmp_path / "b.jsonl", skip_invalid=True)
+    assert [m for _, _, m in report.skips] == [f"{tmp_path / 'b.jsonl'}:3: line too long: 1001 bytes; limit "
+                                               f"{len(rec('x' * 8))}"]  # lines after it still counted right
 
 
 def test_json_array(tmp_path):
@@ -200,6 +276,15 @@ def test_json_array(tmp_path):
     (tmp_path / "b.json").write_bytes(b'[\n{"messages": []},\n{"messages": [{"role": "user", "content": "\xff"}]}]')
     with pytest.raises(ValueError, match=r"b.json:3: not UTF-8"):
         data.read_conversations(tmp_path / "b.json", skip_invalid=True)
+    # a problem inside one record leaves the array in step: skipped, counted, the next record on its own line
+    good = json.dumps({"messages": MULTI[1:3]})
+    (tmp_path / "c.json").write_text(f'[{good},\n {{"messages": [], "messages": []}},\n{good}, {{"n": NaN}}]')
+    convs, report = data.read_conversations(tmp_path / "c.json", skip_invalid=True)
+    assert len(convs) == 2 and [(line, kind) for line, kind, _ in report.skips] == [(2, "duplicate key"),
+                                                                                   (3, "non-standard JSON")]
+    (tmp_path / "d.json").write_text(f'[{good},\n' + "[" * 100000 + "]" * 100000 + "]")
+    with pytest.raises(ValueError, match=r"d.json:2: malformed JSON: maximum recursion depth"):
+        data.read_conversations(tmp_path / "d.json", skip_invalid=True)  # too deep: where it ends is unknown
 
 # -----------------------------------------------------------------------------
 # tokenized cache
@@ -217,15 +302,30 @@ def test_tokenized_cache(tmp_path, capsys, target_dir):
         np.testing.assert_array_equal(x, y)
     ids, mask = data.tokenize_conversation(tok, MULTI, 64)
     assert b.ids[b.offsets[0]:b.offsets[1]].tolist() == ids and b.mask[:b.offsets[1]].tolist() == mask
+    assert isinstance(b.lines, np.memmap) and b.lines.tolist() == [1, 2, 3]  # each sequence's source line
     keys = {data.cache_key(src, tok, 64, {})}
     keys.add(data.cache_key(src, tok, 65, {}))
     keys.add(data.cache_key(src, tok, 64, {"enable_thinking": False}))
     tok2 = tokenizer_with(target_dir, QWEN_TEMPLATE)
     keys.add(data.cache_key(src, tok2, 64, {}))
+    keys.add(data.cache_key(src, tok, 64, {}, skip_invalid=True))
     src.write_text(src.read_text() + "\n")  # same records, different bytes: a new key anyway
     keys.add(data.cache_key(src, tok, 64, {}))
-    assert len(keys) == 5
+    assert len(keys) == 6
     assert len(list((tmp_path / "cache").iterdir())) == 1  # one entry, no tmp leftovers
+
+
+def test_strict_read_never_finds_a_skipping_cache(tmp_path, capsys, target_dir):
+    """A run with skip_invalid caches what it kept; a strict run on the same file must not train on that copy: it
+    reads the file again and stops at the first broken record."""
+    tok = tokenizer_with(target_dir, None)
+    src = tmp_path / "d.jsonl"
+    src.write_text(json.dumps({"messages": MULTI}) + "\n" + '{"messages": [{"role": "bot", "content": "x"}]}\n')
+    assert len(data.load_tokenized(src, tok, 64, tmp_path / "cache", skip_invalid=True)) == 1
+    assert len(data.load_tokenized(src, tok, 64, tmp_path / "cache", skip_invalid=True)) == 1
+    assert "[cached" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"d.jsonl:2: unknown role"):
+        data.load_tokenized(src, tok, 64, tmp_path / "cache")
 
 # -----------------------------------------------------------------------------
 # batching
@@ -237,7 +337,7 @@ def synthetic(n=103, seed=0):
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     ids = np.concatenate([np.full(L, i + 3, np.int32) for i, L in enumerate(lengths)])  # row i holds i+3
     mask = (rng.random(offsets[-1]) < 0.5).astype(np.uint8)
-    return data.Tokenized(ids, mask, offsets)
+    return data.Tokenized(ids, mask, offsets, np.arange(1, n + 1))
 
 
 def rows(batch):
@@ -263,11 +363,11 @@ def test_batcher_padding_and_content():
 
 def test_batcher_epochs_and_bucketing():
     d = synthetic(n=1000)
-    bt = data.Batcher(d, batch_size=8, seed=3, bucket_batches=16)
+    bt = data.Batcher(d, batch_size=8, seed=3)
     epochs = [[i for _ in range(bt.steps_per_epoch) for i in rows(next(bt))] for _ in range(2)]
     assert bt.steps_per_epoch == 125 and bt.epoch == 1
     assert sorted(epochs[0]) == list(range(1000)) and epochs[0] != epochs[1]  # each row once, new order
-    bt2 = data.Batcher(d, batch_size=8, seed=3, bucket_batches=16)
+    bt2 = data.Batcher(d, batch_size=8, seed=3)
     assert [rows(next(bt2)) for _ in range(3)] == [epochs[0][i:i + 8] for i in (0, 8, 16)]  # deterministic
     assert rows(next(data.Batcher(d, batch_size=8, seed=4))) != epochs[0][:8]
     # bucketing: far less padding than a plain shuffle of the same lengths
@@ -277,36 +377,19 @@ def test_batcher_epochs_and_bucketing():
 
 
 def test_batcher_resume_exact():
+    """The cursor (epoch, step) is all the state: a new Batcher set to it serves the same batches (train.py resumes
+    and spreads micro-batches over ranks so)."""
     d = synthetic(n=50)
     bt = data.Batcher(d, batch_size=4, seed=7)  # 12 steps per epoch
     for _ in range(10):
         next(bt)
-    state = json.loads(json.dumps(bt.state_dict()))  # survives a checkpoint round trip
+    cursor = (bt.epoch, bt.step)
     after = [next(bt) for _ in range(20)]  # crosses two epoch boundaries
     resumed = data.Batcher(d, batch_size=4, seed=7)
-    resumed.load_state_dict(state)
+    resumed.epoch, resumed.step = cursor
     for a, b in zip(after, [next(resumed) for _ in range(20)]):
         for k in a:
             assert torch.equal(a[k], b[k])
-    with pytest.raises(ValueError, match="seed"):
-        data.Batcher(d, batch_size=4, seed=8).load_state_dict(state)
-    with pytest.raises(ValueError, match="global_batch"):
-        data.Batcher(d, batch_size=2, seed=7).load_state_dict(state)
-
-
-def test_batcher_sharding_disjoint():
-    d = synthetic(n=100)
-    world, B = 3, 4
-    full = data.Batcher(d, batch_size=B * world, seed=5)  # one rank seeing the global batch
-    ranks = [data.Batcher(d, batch_size=B, seed=5, rank=r, world=world) for r in range(world)]
-    seen = []
-    for _ in range(full.steps_per_epoch):
-        g = rows(next(full))
-        parts = [rows(next(bt)) for bt in ranks]
-        assert all(len(p) == B for p in parts)
-        assert sorted(sum(parts, [])) == sorted(g)  # disjoint, and together exactly the global batch
-        seen += g
-    assert len(set(seen)) == len(seen) == 96  # 100 // 12 global batches, no row twice in an epoch
 
 # -----------------------------------------------------------------------------
 # regeneration
@@ -482,7 +565,7 @@ def test_prepare_demo_cached(tmp_path, target_dir, capsys):
     assert len(full) == 7168 and len(ev) + len(tr) == 7168 and not ev & tr and 600 < len(ev) < 850
     assert ev == {json.loads(x)["id"] for x in full if data._stable_hash(json.loads(x)["id"]) % 10 == 0}
     kept, _, _ = data.unique_prompts(data._jsonl_lines(tmp_path / "chitchat_prompts_train.jsonl"), 10 ** 9)
-    assert len(kept) == data.DEMO_PRESETS["cuda"]["n_train"]  # the GPU demo takes every distinct train prompt
+    assert len(kept) == data.demo_settings("cuda")["corpus"]["n_train"]  # the GPU demo: every distinct train prompt
     key = lambda r: " ".join(r["messages"][0]["content"].lower().split())
     train_keys = {key(json.loads(x)) for x in (tmp_path / "chitchat_prompts_train.jsonl").read_text().splitlines()}
     assert len({key(r) for r in evals}) == 3 and not {key(r) for r in evals} & train_keys  # unseen, distinct
@@ -513,6 +596,22 @@ def test_prepare_demo_with_samples(tmp_path, target_dir):
     assert data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8, samples=2, sample_temperature=1.0) == out
     with pytest.raises(ValueError, match="sample_temperature=0"):
         data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8, samples=1, sample_temperature=0)
+
+
+def test_demo_settings(monkeypatch, tmp_path):
+    """One place for the demo: the target:drafter split follows the processes torchrun starts (CPU: all but one
+    hold the target; GPUs: one does), paths are under the cache, eval's workers are half the cores, at most 8."""
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    split = lambda dev, world: tuple(data.demo_settings(dev, world)["train"][k]
+                                     for k in ("target_ranks", "drafter_ranks"))
+    assert [split("cpu", w) for w in (1, 3)] == [(1, 1), (2, 1)]
+    assert [split(dev, w) for dev in ("cuda", "cuda:0") for w in (1, 4)] == [(1, 1), (1, 3)] * 2
+    s = data.demo_settings("cpu")
+    assert s["train"]["target"] == str(tmp_path / "smollm2-135m-instruct") and s["eval"]["workers"] == 1
+    assert s["train"]["data"] == str(tmp_path / "chitchat_train.jsonl") and s["corpus"]["samples"] == 0
+    for cores, workers in ((1, 1), (6, 3), (64, 8)):
+        monkeypatch.setattr(os, "cpu_count", lambda: cores)
+        assert data.demo_settings("cuda")["eval"] == dict(limit=64, max_new_tokens=256, workers=workers)
 
 
 def test_cli_tokenize(tmp_path, capsys, target_dir):

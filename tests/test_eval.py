@@ -385,6 +385,39 @@ def test_dead_worker_fails_fast(saved):
         ev.evaluate_parallel(saved / "target", saved / "drafter", ps, 2, "cpu", max_new_tokens=8, eos_ids=[EOS])
     assert time.perf_counter() - t0 < 60
 
+
+def test_cli_demo_untrained_vs_trained(saved, llama, tmp_path, monkeypatch, capsys):
+    """--demo RUN: the run's target and data (config.json), the demo's held-out prompts ($DFLASH_CACHE) and eval
+    settings (data.demo_settings; explicit flags win); init without a baseline, then the newest complete checkpoint
+    with it; both written under RUN; launch.sh's final line."""
+    import data
+    target, drafter = llama
+    run = tmp_path / "run"
+    save_drafter(tiny_drafter(target, seed=7), run / "init", dtype=None)
+    save_drafter(drafter, run / "ckpt-0000001", dtype=None)
+    (run / "ckpt-0000002.tmp").mkdir()  # a checkpoint still being written: not the newest complete one
+    train = tmp_path / "train.jsonl"  # the first two held-out prompts are, as text, training prompts
+    train.write_text("".join((saved / "prompts.jsonl").read_text().splitlines(keepends=True)[:2]))
+    (run / "config.json").write_text(json.dumps({"train": {"target": str(saved / "target"), "data": str(train)}}))
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    (tmp_path / "chitchat_eval.jsonl").symlink_to(saved / "prompts.jsonl")
+    real = data.demo_settings
+    monkeypatch.setattr(data, "demo_settings", lambda *a: dict(real(*a), eval=dict(limit=3, max_new_tokens=99,
+                                                                                     workers=1)))
+    u, t = ev.main(["--demo", str(run), "--device", "cpu", "--max-new-tokens", "12"])
+    for name, res, ckpt in (("untrained", u, "init"), ("trained", t, "ckpt-0000001")):
+        assert json.loads((run / f"eval_{name}" / "eval.json").read_text())["per_prompt"] == res["per_prompt"]
+        assert (run / f"eval_{name}" / "eval.png").exists() and res["config"]["drafter"] == str(run / ckpt)
+        assert res["config"]["prompts"] == 3 and res["config"]["max_new_tokens"] == 12
+        assert res["seen_in_training"] == 2 and res["config"]["train_data"] == str(train)
+    assert u["lossless"] is None and u["speedup"] is None and t["lossless"] is True
+    one = ev.evaluate(target, tiny_tokenizer(), drafter, ev.read_prompts(saved / "prompts.jsonl", 3), 12)
+    assert [r["committed"] for r in t["per_prompt"]] == [r["committed"] for r in one["per_prompt"]]
+    out = capsys.readouterr().out
+    assert f"acceptance length tau (pooled over verify cycles): untrained {u['tau_pooled']:.2f} -> trained " \
+           f"{t['tau_pooled']:.2f}   (mean of per-prompt tau: {u['tau']:.2f} -> {t['tau']:.2f})" in out
+    assert f"trained (ckpt-0000001): {ev.summary(t)}" in out
+
 # -----------------------------------------------------------------------------
 # --watch: every checkpoint of a training run, as it appears
 
@@ -407,8 +440,8 @@ def test_watch_a_training_run(tiny_target, convs, tmp_path):
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": c}]}) + "\n"
                             for c in ("Say 3 words please", "alpha beta")))
     args = ["--data", str(data), "--max-new-tokens", "8", "--device", "cpu", "--poll", "0.1"]
-    rows, pruned = ev.main(["--watch", str(run)] + args)
-    assert [r["step"] for r in rows] == [0, 2, 4] and not pruned and all(r["lossless"] for r in rows)
+    rows, pruned, torn = ev.main(["--watch", str(run)] + args)
+    assert [r["step"] for r in rows] == [0, 2, 4] and not pruned and not torn and all(r["lossless"] for r in rows)
     assert (run / "eval" / "tau.png").exists() and (run / "eval" / "ckpt-0000004" / "eval.png").exists()
     target, tok = load_target(tiny_target, "cpu")
     drafter = load_drafter(run / "ckpt-0000004", "cpu", torch.float32)  # as --watch loads it: the target's dtype
@@ -442,12 +475,13 @@ def test_watch_a_training_run(tiny_target, convs, tmp_path):
     assert [json.loads(x)["step"] for x in log.read_text().splitlines()] == [0, 2, 4]
 
 
-def test_watch_counts_pruned_checkpoints(tmp_path):
+def test_watch_counts_pruned_checkpoints(tmp_path, llama):
     """A checkpoint removed (keep_ckpts) before the watcher could read it is skipped and reported, not fatal;
-    any other failure of a checkpoint that still exists is raised."""
+    any other failure of a checkpoint that still exists (and loads) is raised."""
+    import shutil
     run = tmp_path / "run"
     for name in ("init", "ckpt-0000002", "ckpt-0000004"):
-        (run / name).mkdir(parents=True)
+        save_drafter(llama[1], run / name, dtype=None)
     (run / "done.json").write_text("{}")
     fake = dict(tau=2.0, tau_pooled=1.5, speedup=None, lossless=None, divergences=[], accept_hist=[1, 1],
                 cycles=2, pos_accept=[0.5], config=dict(block_size=2, prompts=1, dtype="float32"), per_prompt=[{}],
@@ -455,15 +489,56 @@ def test_watch_counts_pruned_checkpoints(tmp_path):
 
     def evaluate_ckpt(path):
         if path.endswith("ckpt-0000002"):
-            (run / "ckpt-0000002").rmdir()
+            shutil.rmtree(run / "ckpt-0000002")
             raise FileNotFoundError(path)
         return fake
 
-    rows, pruned = ev.watch(str(run), str(tmp_path / "ev"), evaluate_ckpt)
-    assert [r["step"] for r in rows] == [0, 4] and pruned == ["ckpt-0000002"]
+    rows, pruned, torn = ev.watch(str(run), str(tmp_path / "ev"), evaluate_ckpt)
+    assert [r["step"] for r in rows] == [0, 4] and pruned == ["ckpt-0000002"] and torn == []
 
     def broken(path):
         raise RuntimeError("bad checkpoint")
 
     with pytest.raises(RuntimeError, match="bad checkpoint"):
         ev.watch(str(run), str(tmp_path / "ev2"), broken)
+
+
+def test_watch_skips_incomplete_and_torn_checkpoints(saved, llama, tmp_path, capsys):
+    """--watch on a run whose checkpoints do not all load: one without model.safetensors, one whose safetensors
+    header is cut, one whose config does not match its weights (load_drafter raises). Each is reported, counted in
+    the final line and the return value, and the watch goes on to the later ones; a LosslessError still raises."""
+    import shutil
+    target, drafter = llama
+    run = tmp_path / "run"
+    for name in ("init", "ckpt-0000002", "ckpt-0000004", "ckpt-0000006", "ckpt-0000008"):
+        save_drafter(drafter, run / name, dtype=None)
+    (run / "ckpt-0000002" / "model.safetensors").unlink()
+    weights = (run / "ckpt-0000004" / "model.safetensors").read_bytes()
+    (run / "ckpt-0000004" / "model.safetensors").write_bytes(weights[:40])  # inside the JSON header
+    cfg = run / "ckpt-0000006" / "config.json"
+    cfg.write_text(json.dumps(dict(json.loads(cfg.read_text()), intermediate_size=drafter.cfg.intermediate_size * 2)))
+    (run / "config.json").write_text(json.dumps({"train": {"target": str(saved / "target"),
+                                                           "data": str(tmp_path / "gone.jsonl")}}))
+    (run / "done.json").write_text("{}")
+    args = ["--watch", str(run), "--data", str(saved / "prompts.jsonl"), "--limit", "1", "--max-new-tokens", "6",
+            "--device", "cpu"]
+    rows, pruned, torn = ev.main(args)
+    assert [r["ckpt"] for r in rows] == ["init", "ckpt-0000008"] and all(r["lossless"] for r in rows)
+    assert pruned == [] and torn == ["ckpt-0000002", "ckpt-0000004", "ckpt-0000006"]
+    out = capsys.readouterr().out
+    for name, why in (("ckpt-0000002", "FileNotFoundError"), ("ckpt-0000004", "SafetensorError"),
+                      ("ckpt-0000006", "ValueError")):  # the weights' shapes are not the config's
+        assert f"watch: {name} is incomplete or torn ({why}: " in out
+    assert out.count("); skipped\n") == 3
+    assert "watch: 2 checkpoints evaluated, 3 incomplete or torn: ['ckpt-0000002', 'ckpt-0000004', " in out
+    saved_rows = [json.loads(x) for x in (run / "eval" / "tau.jsonl").read_text().splitlines()]
+    assert [r["ckpt"] for r in saved_rows] == ["init", "ckpt-0000008"]
+    assert ev.main(args)[0] == rows  # started again: nothing evaluated twice, the torn ones reported again
+    assert "3 incomplete or torn" in capsys.readouterr().out
+
+    def not_lossless(path):
+        raise ev.LosslessError(f"{path}: not lossless")
+
+    shutil.rmtree(run / "init")
+    with pytest.raises(ev.LosslessError, match="ckpt-0000002: not lossless"):  # a torn checkpoint's too: never skipped
+        ev.watch(str(run), str(tmp_path / "ev2"), not_lossless)

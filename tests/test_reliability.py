@@ -532,7 +532,7 @@ def test_mask_token_the_data_uses_is_refused(tiny_target, convs, tmp_path):
     from the end of a turn. Refused after tokenizing, before the target is loaded, naming the token and a record."""
     p, _ = run_train(tiny_target, convs, tmp_path, 1, "--max_steps=2", "--mask_token=<|im_end|>")
     assert p.returncode != 0
-    assert "mask_token: '<|im_end|>' (id 2) occurs" in p.stderr and "first in its sequence 0" in p.stderr, p.stderr
+    assert "mask_token: '<|im_end|>' (id 2) occurs" in p.stderr and f"first at {convs}:1 " in p.stderr, p.stderr
     assert "target loaded" not in p.stdout
 
 
