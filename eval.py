@@ -74,21 +74,23 @@ def _clock(dev, times=None, key=None, t0=0.0):
 @torch.inference_mode()
 @sdpa_kernel(NO_CUDNN)
 def spec_decode(target, drafter, prompt_ids, max_new, block_size, eos, temperature=0.0, generator=None, times=None):
-    """-> (new token ids, the first included, cut at the first EOS (kept) and at max_new, and `cycles` transposed).
-    times: seconds added under prefill / draft / verify / other (each phase ends in a sync: batch 1 waits anyway)."""
-    dev = target.device
+    """-> (new token ids, the first included, cut at the first EOS (kept) and at max_new; per verify cycle: tokens
+    accepted + 1, and tokens of it in that output). The loop is the authors' benchmark loop (z-lab/dflash
+    `dflash_generate`, the one behind the paper's figures): full blocks to the end, a cycle while fewer than
+    max_new + 1 tokens are out, the stop check after each cycle (so a first token that is EOS still gets one), every
+    cycle counted whole. times: seconds added under prefill / draft / verify / other (each phase ends in a sync)."""
+    dev, K = target.device, block_size
     t = _clock(dev) if times is not None else 0.0
-    out = target(input_ids=torch.tensor([prompt_ids], device=dev), use_cache=True, output_hidden_states=block_size > 1,
+    out = target(input_ids=torch.tensor([prompt_ids], device=dev), use_cache=True, output_hidden_states=K > 1,
                  logits_to_keep=1)
     cache_t, cache_d = out.past_key_values, None
     gen = [int(pick(out.logits[:, -1], temperature, generator))]
-    if block_size > 1:  # the drafter's first context: features of prompt positions 0..n-1
+    if K > 1:  # the drafter's first context: features of prompt positions 0..n-1
         new_hidden = features(out.hidden_states, drafter.cfg.target_layer_ids)
     t = _clock(dev, times, "prefill", t)
-    cycles = []  # per verify cycle: (tokens committed, drafts accepted before any cut, block size verified)
-    while len(gen) < max_new and gen[-1] not in eos:
+    lengths = []  # per verify cycle: drafts accepted + the bonus
+    while len(gen) <= max_new and not (lengths and eos.intersection(gen)):
         start = len(prompt_ids) + len(gen) - 1  # position of the anchor, gen[-1]; the target cache holds 0..start-1
-        K = min(block_size, max_new - len(gen) + 1)  # the reference shrinks the last block the same way
         block = torch.full((1, K), drafter.cfg.mask_token_id if K > 1 else 0, dtype=torch.long, device=dev)
         block[0, 0] = gen[-1]
         if K > 1:
@@ -97,20 +99,20 @@ def spec_decode(target, drafter, prompt_ids, max_new, block_size, eos, temperatu
         out = target(input_ids=block, position_ids=torch.arange(start, start + K, device=dev)[None],
                      past_key_values=cache_t, use_cache=True, output_hidden_states=K > 1)
         # posterior[k] = the target's token after block position k; at temperature > 0 an independent target
-        # sample compared by token equality, as the reference does, not a probability-ratio test
+        # sample compared by token equality, as the authors' loop does, not a probability-ratio test
         blk, post = torch.stack([block[0], pick(out.logits[0], temperature, generator)]).tolist()  # one sync
         t = _clock(dev, times, "verify", t)
         a = next((j for j in range(K - 1) if blk[j + 1] != post[j]), K - 1)  # drafts accepted
-        new = blk[1:a + 1] + [post[a]]  # accepted drafts + bonus
-        take = min(next((i + 1 for i, tok in enumerate(new) if tok in eos), len(new)), max_new - len(gen))
-        gen += new[:take]
-        cycles.append((take, a, K))
-        crop(cache_t, start + take)  # block positions 0..a stay (their K/V is exact); the bonus has none yet
+        gen += blk[1:a + 1] + [post[a]]  # accepted drafts + bonus
+        lengths.append(a + 1)
+        crop(cache_t, start + a + 1)  # block positions 0..a stay (their K/V is exact); the bonus has none yet
         if K > 1:  # new drafter context: target features of block positions 0..a (the bonus has none yet)
-            new_hidden = features(out.hidden_states, drafter.cfg.target_layer_ids)[:, :take]
+            new_hidden = features(out.hidden_states, drafter.cfg.target_layer_ids)[:, :a + 1]
         t = _clock(dev, times, "other", t)  # acceptance, cache crop, the next context
-    committed, accepted, verified = (list(x) for x in zip(*cycles)) if cycles else ([], [], [])
-    return gen, committed, accepted, verified
+    keep = min(next((i + 1 for i, tok in enumerate(gen) if tok in eos), len(gen)), max_new)
+    ends = [1 + sum(lengths[:c + 1]) for c in range(len(lengths))]  # tokens out after each cycle
+    committed = [max(0, min(e, keep) - (e - n)) for e, n in zip(ends, lengths)]
+    return gen[:keep], lengths, committed
 
 
 @torch.inference_mode()
@@ -174,17 +176,18 @@ def evaluate(target, tokenizer, drafter, prompts, max_new_tokens=256, temperatur
              divergences=[])
     for i, p in zip(range(len(prompts)) if indices is None else indices, prompts):
         t0 = _clock(dev)
-        out, committed, accepted, verified = spec_decode(target, drafter, p, max_new_tokens, K, eos, temperature,
-                                                         gen(i), c["time_s"])
+        out, lengths, committed = spec_decode(target, drafter, p, max_new_tokens, K, eos, temperature, gen(i),
+                                              c["time_s"])
         c["spec_s"] += _clock(dev) - t0
         c["new_tokens"] += len(out)
-        for n, a, k in zip(committed, accepted, verified):
+        for n in lengths:
             c["accept_hist"][n - 1] += 1
-            for j in range(1, k):  # offset j was verified in this cycle; accepted iff all drafts up to j matched
+            for j in range(1, K):  # every offset is verified; offset j accepted iff all drafts up to j matched
                 c["pos_seen_counts"][j - 1] += 1
-                c["pos_accept_counts"][j - 1] += a >= j
-        c["per_prompt"].append(dict(prompt_tokens=len(p), new_tokens=len(out), cycles=len(committed),
-                                    tau=sum(committed) / max(len(committed), 1), committed=committed))
+                c["pos_accept_counts"][j - 1] += n > j
+        c["per_prompt"].append(dict(prompt_tokens=len(p), new_tokens=len(out), cycles=len(lengths),
+                                    tau=sum(lengths) / max(len(lengths), 1), lengths=lengths, committed=committed,
+                                    tau_committed=sum(committed) / max(sum(n > 0 for n in committed), 1)))
         if not check_lossless:
             continue
         t0 = _clock(dev)
@@ -206,21 +209,33 @@ def _merge(parts):
     n, total = len(parts), sum(len(r["per_prompt"]) for r in parts)
     per_prompt = [parts[i % n]["per_prompt"][i // n] for i in range(total)]
     divergences = sorted((d for r in parts for d in r["divergences"]), key=lambda d: d["prompt"])
-    # accept_hist[L-1]: cycles that committed L tokens (cut at EOS/limit, as the reference); spec_s: the time_s four
+    # accept_hist[L-1]: cycles that accepted L-1 drafts (as the authors count, every cycle whole); spec_s: time_s's
     c = {k: [sum(x) for x in zip(*(r[k] for r in parts))] for k in ("accept_hist", "pos_accept_counts",
                                                                     "pos_seen_counts")}
     c.update({k: sum(r[k] for r in parts) for k in ("new_tokens", "spec_s", "plain_tokens", "plain_s")})
     c["time_s"] = {k: sum(r["time_s"][k] for r in parts) for k in TIME_KEYS}
     spec_tps = c["new_tokens"] / c["spec_s"]
     plain_tps = c["plain_tokens"] / c["plain_s"] if c["plain_s"] else None  # no baseline: no time spent on it
-    return dict(  # tau: the authors' "Average Acceptance length" (per-prompt mean, then mean over prompts)
-        tau=sum(r["tau"] for r in per_prompt) / len(per_prompt),
-        tau_pooled=sum(sum(r["committed"]) for r in per_prompt) / max(sum(c["accept_hist"]), 1),  # over all cycles
-        cycles=sum(c["accept_hist"]),
+    return dict(  # tau: the authors' "Average Acceptance length" (the papers' figure), then the other counts
+        tau_figures(per_prompt), cycles=sum(c["accept_hist"]),
         pos_accept=[a / max(s, 1) for a, s in zip(c["pos_accept_counts"], c["pos_seen_counts"])],  # offsets 1..K-1
         spec_tok_s=spec_tps, plain_tok_s=plain_tps, speedup=spec_tps / plain_tps if plain_tps else None, **c,
         lossless=(not divergences) if parts[0]["lossless"] is not None else None, divergences=divergences,
         config=dict(parts[0]["config"], prompts=total, workers=n), per_prompt=per_prompt)
+
+
+def tau_figures(per_prompt, suffix=""):
+    """tau: the authors' count (accepted + 1 every cycle), the mean of per-prompt means as their benchmark prints
+    it, with a bootstrap 95% interval over prompts (2,000 resamples, seeded); tau_committed: only the tokens that end up in the output, over the cycles that gave any (stricter: no credit
+    past EOS or max_new). _pooled: over all cycles of all prompts instead of per prompt."""
+    n, pooled = max(len(per_prompt), 1), lambda xs: sum(map(sum, xs)) / max(sum(map(len, xs)), 1)
+    taus = torch.tensor([float(r["tau"]) for r in per_prompt] or [0.0], dtype=torch.float64)
+    boot = taus[torch.randint(len(taus), (2000, len(taus)), generator=torch.Generator().manual_seed(0))].mean(1)
+    return {f"tau{suffix}": sum(r["tau"] for r in per_prompt) / n,
+            f"tau_ci95{suffix}": boot.quantile(torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist(),
+            f"tau_pooled{suffix}": pooled([r["lengths"] for r in per_prompt]),
+            f"tau_committed{suffix}": sum(r["tau_committed"] for r in per_prompt) / n,
+            f"tau_committed_pooled{suffix}": pooled([[x for x in r["committed"] if x] for r in per_prompt])}
 
 
 def _worker(k, n, target_path, drafter_path, prompts, device, dtype, kw, out_dir):
@@ -259,15 +274,16 @@ def mark_seen(res, prompts, keys):
     rest = [r for r in res["per_prompt"] if not r["seen_in_training"]]
     res["seen_in_training"] = len(res["per_prompt"]) - len(rest)
     if rest:
-        res["tau_unseen"] = sum(r["tau"] for r in rest) / len(rest)
-        res["tau_pooled_unseen"] = sum(sum(r["committed"]) for r in rest) / max(sum(r["cycles"] for r in rest), 1)
+        res.update(tau_figures(rest, "_unseen"))
     return res
 
 
 def summary(res):
     c, t, ms = res["config"], res["time_s"], lambda x, n: f"{1e3 * x / max(n, 1):.2f}"
-    s = (f"eval: tau={res['tau']:.3f} (pooled {res['tau_pooled']:.3f}) K={c['block_size']} prompts={c['prompts']} "
-         f"cycles={res['cycles']} spec={res['spec_tok_s']:.1f} tok/s")
+    lo, hi = res["tau_ci95"]
+    s = (f"eval: tau={res['tau']:.3f} [95% CI {lo:.3f}-{hi:.3f}] (pooled {res['tau_pooled']:.3f}; committed tokens "
+         f"only: {res['tau_committed']:.3f}, pooled {res['tau_committed_pooled']:.3f}) K={c['block_size']} "
+         f"prompts={c['prompts']} cycles={res['cycles']} spec={res['spec_tok_s']:.1f} tok/s")
     if res["speedup"] is not None:
         s += f" greedy={res['plain_tok_s']:.1f} tok/s speedup={res['speedup']:.2f}x"
     s += f" lossless={res['lossless']} divergences={len(res['divergences'])} dtype={c['dtype']}"
@@ -338,7 +354,8 @@ def watch(run_dir, out_dir, evaluate_ckpt, poll=30.0, once=False):
                 continue
             write_results(res, os.path.join(out_dir, name))
             rows.append(dict(ckpt=name, step=0 if name == "init" else int(name[5:]), **{k: res.get(k) for k in (
-                "tau", "tau_pooled", "speedup", "lossless", "seen_in_training")}, divergences=len(res["divergences"])))
+                "tau", "tau_pooled", "tau_committed", "speedup", "lossless", "seen_in_training")},
+                divergences=len(res["divergences"])))
             with open(log, "a") as f:
                 f.write(json.dumps(rows[-1]) + "\n")
             _plot_tau(rows, os.path.join(out_dir, "tau.png"))
@@ -437,8 +454,8 @@ def main(argv=None):
             write_results(res[name], os.path.join(a.out or a.demo, f"eval_{name}"))
             print(f"{name} ({ckpt}): {summary(res[name])}", flush=True)
         u, t = res["untrained"], res["trained"]
-        print(f"acceptance length tau (pooled over verify cycles): untrained {u['tau_pooled']:.2f} -> trained "
-              f"{t['tau_pooled']:.2f}   (mean of per-prompt tau: {u['tau']:.2f} -> {t['tau']:.2f})")
+        print(f"acceptance length tau (as the authors count it): untrained {u['tau']:.2f} -> trained {t['tau']:.2f}"
+              f"   (pooled over verify cycles: {u['tau_pooled']:.2f} -> {t['tau_pooled']:.2f})")
         return u, t
     res = run(a.drafter)
     write_results(res, a.out or "out/eval")

@@ -123,26 +123,52 @@ def reduce_stats(s, d):
     return {k: p.view_as(v) for (k, v), p in zip(s.items(), parts)}
 
 
-def die_with_launcher():
-    """Under torchrun (Linux): the kernel SIGKILLs this rank when its launcher dies. torchrun starts every worker
-    in its own session, so a `kill -9` of torchrun (or a scheduler ending the job step that way) would otherwise
-    leave the ranks running, holding their GPUs, with nobody to stop them."""
-    if torchrun_env().run_id is None or not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the launcher died before the request took effect
-        os._exit(1)
+def launcher_start():
+    """The start time of this process's parent (torchrun's agent), read from /proc: one value every rank of the node
+    computes alike. None off Linux."""
+    try:
+        ticks = int(open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        boot = next(int(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return int(boot + ticks / os.sysconf("SC_CLK_TCK"))
 
 
-def report_failure(msg):
+def report_failure(msg, when=None):
     """Write torchrun's per-rank error file (TORCHELASTIC_ERROR_FILE, its documented format): when this rank
-    fails, the launcher's summary prints `msg` under the rank and exit code. Without torchrun: nothing."""
+    fails, the launcher's summary prints `msg` under the rank and exit code. torchrun names as the root cause the
+    failure with the smallest timestamp `when` (default: now), ties going to the rank whose exit it saw first.
+    Without torchrun: nothing."""
     path = torchrun_env().error_file
     if path:
         with open(path, "w") as f:
             json.dump({"message": {"message": msg.splitlines()[0], "extraInfo": {
-                "py_callstack": msg, "timestamp": str(int(time.time()))}}}, f)
+                "py_callstack": msg, "timestamp": str(int(time.time() if when is None else when))}}}, f)
+
+
+def watch_for_death(rank, role):
+    """Under torchrun, make every way this rank can end show in the launcher's summary with its rank and role.
+    A rank killed by a signal (kill -9, the OOM killer, a segfault) prints nothing, so a note goes into the error
+    file now, stamped with the launcher's start time; a Python failure replaces it with the real error, stamped
+    later. The ranks torchrun stops with SIGTERM after a failure rewrite their note as they go, so the failure
+    that came first is the one named: a killed rank (the launcher's start time, and torchrun saw its exit first)
+    ahead of peers that fail later because it vanished. Also: the kernel SIGKILLs this rank when its launcher dies.
+    torchrun starts every worker in its own session, so a `kill -9` of torchrun (or a scheduler ending the job
+    step that way) would otherwise leave the ranks running, holding their GPUs, with nobody to stop them."""
+    if torchrun_env().run_id is None or not sys.platform.startswith("linux"):
+        return
+    report_failure(f"rank {rank} ({role}) died without a Python error: killed by a signal (kill -9, the OOM "
+                   f"killer) or a crash in native code (note written by train.py at start-up)", launcher_start())
+
+    def stopped(signum, frame):
+        report_failure(f"rank {rank} ({role}) was stopped by the launcher (SIGTERM) after a failure elsewhere")
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+    signal.signal(signal.SIGTERM, stopped)
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os._exit(1)
 
 
 def placement_table(world, local_world, cfg):

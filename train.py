@@ -31,10 +31,9 @@ from attention import compile_count, configure_compile
 from checkpoint import (list_ckpts, lock_run_dir, log_line, log_skipped, open_run_dir, plot_curves,
                         resume_point, save_checkpoint, warn_config_changes, write_done, write_run_info)
 from model import DFlashDrafter, DrafterConfig, dflash_loss, drafter_config_from_target, load_drafter, sample_anchors
-from pipeline import (Capture, Colocated, Receiver, assign_roles, die_with_launcher, drafter_schedule,
-                      fill_target, frozen_tables, memory_check, per_step,
-                      placement_table, reduce_stats, report_failure, role_of, run_target, setup_dist,
-                      target_decoder, teardown_dist, torchrun_env)
+from pipeline import (Capture, Colocated, Receiver, assign_roles, drafter_schedule, fill_target, frozen_tables,
+                      memory_check, per_step, placement_table, reduce_stats, report_failure, role_of, run_target,
+                      setup_dist, target_decoder, teardown_dist, torchrun_env, watch_for_death)
 
 
 @dataclass(frozen=True)
@@ -302,13 +301,7 @@ def main(cfg):
         report_failure(f"[rank {env.rank}] {e}")
         raise SystemExit(f"[rank {env.rank}] {e}") from None
     role = role_of(env.rank, *assign_roles(env.world, cfg, env.local_world))
-    # A rank killed by a signal (kill -9, the OOM killer, a segfault) prints nothing. Leave a note in torchrun's
-    # error file now, so the launcher's failure summary still names this rank and its role; a Python failure
-    # below replaces it with the real error. Its start-up timestamp makes a killed rank the "first observed
-    # failure" ahead of peers that fail later because it vanished.
-    report_failure(f"rank {env.rank} ({role}) died without a Python error: killed by a signal (kill -9, the OOM "
-                   f"killer) or a crash in native code (note written by train.py at start-up)")
-    die_with_launcher()
+    watch_for_death(env.rank, role)
     d = None
     try:
         d = setup_dist(cfg, env)
@@ -318,7 +311,8 @@ def main(cfg):
         sys.stdout.flush()
         sys.stderr.write(f"\n{msg}\n{traceback.format_exc()}")
         sys.stderr.flush()
-        report_failure(f"{msg}\n{traceback.format_exc()}")
+        lost_peer = isinstance(e, dist.DistError) or "by peer" in str(e)  # a consequence of another rank's exit:
+        report_failure(f"{msg}\n{traceback.format_exc()}", time.time() + lost_peer)  # stamped after it
         os._exit(1)  # never wait in NCCL/gloo destructors: torchrun sees the exit and stops every other rank
     finally:
         teardown_dist(d)

@@ -76,10 +76,10 @@ def test_lossless_random_drafter(arch):
         res = ev.evaluate(target, None, drafter, ps, MAX_NEW, block_size=K, eos_ids=[EOS], warmup=False)
         assert res["lossless"] is True and res["divergences"] == []
         for p, g in zip(ps, greedy):
-            out, committed, accepted, verified = ev.spec_decode(target, drafter, p, MAX_NEW, K, {EOS})
+            out, lengths, committed = ev.spec_decode(target, drafter, p, MAX_NEW, K, {EOS})
             assert out == g
             assert sum(committed) == len(out) - 1  # every token after the prefill's first comes from a cycle
-            assert max(verified) <= K
+            assert max(lengths) <= K and all(0 <= c <= n for c, n in zip(committed, lengths))
         assert len(res["accept_hist"]) == K and sum(res["accept_hist"]) == res["cycles"]
         if K == 1:
             assert res["tau"] == 1.0 and res["pos_accept"] == []
@@ -124,8 +124,8 @@ def test_drafts_match_training_forward(monkeypatch, llama):
         return toks, cache
 
     monkeypatch.setattr(ev, "draft", draft)
-    out, committed, *_ = ev.spec_decode(target, drafter, p, MAX_NEW, K, set())
-    assert K in committed and 1 in committed
+    out, lengths, _ = ev.spec_decode(target, drafter, p, MAX_NEW, K, set())
+    assert K in lengths and 1 in lengths
     seq = torch.tensor([p + out])
     with torch.no_grad():
         hs = target(input_ids=seq, output_hidden_states=True).hidden_states
@@ -146,8 +146,8 @@ def test_drafts_match_training_forward(monkeypatch, llama):
 
 def _scripted(monkeypatch, target, p, shift):
     """Replace the drafter by the target's own greedy continuation (+shift mod V: shift 0 = oracle, else never
-    right). Returns that greedy continuation."""
-    full = p + ev.plain_decode(target, p, MAX_NEW, set())
+    right), known 32 tokens past MAX_NEW (the authors' last block reaches past it). Returns the first MAX_NEW."""
+    full = p + ev.plain_decode(target, p, MAX_NEW + 32, set())
 
     def draft(drafter, target_, block, new_hidden, cache, start, temperature, generator):
         K = block.shape[1]
@@ -155,7 +155,7 @@ def _scripted(monkeypatch, target, p, shift):
         return (torch.tensor([toks]) + shift) % V, cache
 
     monkeypatch.setattr(ev, "draft", draft)
-    return full[len(p):]
+    return full[len(p):len(p) + MAX_NEW]
 
 
 @pytest.mark.parametrize("K", [4, 16])
@@ -163,15 +163,32 @@ def test_oracle_drafter_accepts_whole_blocks(monkeypatch, llama, K):
     target, drafter = llama
     p = prompts()[2]
     greedy = _scripted(monkeypatch, target, p, shift=0)
-    out, committed, accepted, verified = ev.spec_decode(target, drafter, p, MAX_NEW, K, set())
+    out, lengths, committed = ev.spec_decode(target, drafter, p, MAX_NEW, K, set())
     assert out == greedy
-    assert committed[:-1] == [K] * (len(committed) - 1)  # every full block: K-1 drafts + the bonus
-    assert accepted == [k - 1 for k in verified]
+    cycles = (MAX_NEW - 1) // K + 1  # the authors' loop: a cycle while at most MAX_NEW tokens are out, blocks whole
+    assert lengths == [K] * cycles  # every block, the last too: K-1 drafts + the bonus, counted past MAX_NEW
+    assert committed == [K] * (cycles - 1) + [(MAX_NEW - 1) % K]  # of the last, only what fits (39 = 9*4+3, 2*16+7)
     res = ev.evaluate(target, None, drafter, [p], MAX_NEW, block_size=K, eos_ids=[])
     assert res["pos_accept"] == [1.0] * (K - 1)
-    assert res["accept_hist"][K - 1] == res["cycles"] - 1
-    cycles = -(-(MAX_NEW - 1) // K)  # MAX_NEW - 1 tokens after the first, K per cycle
-    assert res["cycles"] == cycles and res["tau"] == pytest.approx((MAX_NEW - 1) / cycles)
+    assert res["accept_hist"][K - 1] == res["cycles"] == cycles
+    assert res["tau"] == res["tau_pooled"] == K
+    assert res["tau_committed"] == res["tau_committed_pooled"] == pytest.approx((MAX_NEW - 1) / cycles)
+
+
+@pytest.mark.parametrize("j", [0, 11])
+def test_tau_counts_as_the_authors_loop_at_eos(monkeypatch, llama, j):
+    """The EOS at new token j ends the output there, but the authors' loop stops only after the cycle holding it and
+    counts that cycle whole; a first token that is EOS (j=0) still gets one cycle. Oracle drafts, K=4."""
+    target, drafter = llama
+    p, K = prompts()[2], 4
+    greedy = _scripted(monkeypatch, target, p, shift=0)
+    j = greedy.index(greedy[j])  # its first occurrence
+    out, lengths, committed = ev.spec_decode(target, drafter, p, MAX_NEW, K, {greedy[j]})
+    cycles = max(1, (j - 1) // K + 1)  # the first cycle after which the output holds new token j
+    assert out == greedy[:j + 1] and lengths == [K] * cycles and sum(committed) == j
+    res = ev.evaluate(target, None, drafter, [p], MAX_NEW, block_size=K, eos_ids=[greedy[j]])
+    assert res["tau"] == K and res["cycles"] == cycles
+    assert res["tau_committed"] == (j / -(-j // K) if j else 0.0)  # j tokens over the cycles that gave any
 
 
 def test_wrong_drafter_tau_one(monkeypatch, llama):
@@ -179,8 +196,8 @@ def test_wrong_drafter_tau_one(monkeypatch, llama):
     p = prompts()[2]
     greedy = _scripted(monkeypatch, target, p, shift=1)
     res = ev.evaluate(target, None, drafter, [p], MAX_NEW, block_size=16, eos_ids=[])
-    assert res["tau"] == 1.0 and res["pos_accept"] == [0.0] * 15
-    assert res["accept_hist"][0] == res["cycles"] == MAX_NEW - 1
+    assert res["tau"] == res["tau_committed"] == 1.0 and res["pos_accept"] == [0.0] * 15
+    assert res["accept_hist"][0] == res["cycles"] == MAX_NEW  # one a cycle, the last past MAX_NEW
     assert res["lossless"] is True  # a useless drafter slows decoding down but never changes the output
     assert ev.spec_decode(target, drafter, p, MAX_NEW, 16, set())[0] == greedy
 
@@ -293,7 +310,7 @@ def test_cli_loads_checkpoint_writes_json_and_png(tmp_path, llama):
 # -----------------------------------------------------------------------------
 # --workers: prompts split over processes, merged into one run's results
 
-EXACT = ("tau", "tau_pooled", "cycles", "new_tokens", "accept_hist", "pos_accept", "pos_accept_counts",
+EXACT = ("tau", "tau_pooled", "tau_committed", "tau_committed_pooled", "tau_ci95", "cycles", "new_tokens", "accept_hist", "pos_accept", "pos_accept_counts",
          "pos_seen_counts", "plain_tokens", "lossless", "divergences", "per_prompt")  # all but speeds and config
 
 
@@ -414,8 +431,8 @@ def test_cli_demo_untrained_vs_trained(saved, llama, tmp_path, monkeypatch, caps
     one = ev.evaluate(target, tiny_tokenizer(), drafter, ev.read_prompts(saved / "prompts.jsonl", 3), 12)
     assert [r["committed"] for r in t["per_prompt"]] == [r["committed"] for r in one["per_prompt"]]
     out = capsys.readouterr().out
-    assert f"acceptance length tau (pooled over verify cycles): untrained {u['tau_pooled']:.2f} -> trained " \
-           f"{t['tau_pooled']:.2f}   (mean of per-prompt tau: {u['tau']:.2f} -> {t['tau']:.2f})" in out
+    assert f"acceptance length tau (as the authors count it): untrained {u['tau']:.2f} -> trained {t['tau']:.2f}" \
+           f"   (pooled over verify cycles: {u['tau_pooled']:.2f} -> {t['tau_pooled']:.2f})" in out
     assert f"trained (ckpt-0000001): {ev.summary(t)}" in out
 
 # -----------------------------------------------------------------------------
@@ -483,8 +500,8 @@ def test_watch_counts_pruned_checkpoints(tmp_path, llama):
     for name in ("init", "ckpt-0000002", "ckpt-0000004"):
         save_drafter(llama[1], run / name, dtype=None)
     (run / "done.json").write_text("{}")
-    fake = dict(tau=2.0, tau_pooled=1.5, speedup=None, lossless=None, divergences=[], accept_hist=[1, 1],
-                cycles=2, pos_accept=[0.5], config=dict(block_size=2, prompts=1, dtype="float32"), per_prompt=[{}],
+    fake = dict(tau=2.0, tau_pooled=1.5, tau_ci95=[1.5, 2.5], tau_committed=1.5, tau_committed_pooled=1.5,
+                speedup=None, lossless=None, divergences=[], accept_hist=[1, 1], cycles=2, pos_accept=[0.5], config=dict(block_size=2, prompts=1, dtype="float32"), per_prompt=[{}],
                 plain_tokens=0, spec_tok_s=1.0, time_s=dict.fromkeys(ev.TIME_KEYS, 0.0))
 
     def evaluate_ckpt(path):

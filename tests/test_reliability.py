@@ -128,6 +128,8 @@ def test_crash_in_checkpoint_write_keeps_newest_and_resume_is_exact_split(tiny_t
     out = tmp_path / "crash"
     p, _ = run_train(tiny_target, convs, out, 3, *args, fail="2:4:ckpt")
     assert p.returncode != 0 and "SIGKILL" in p.stderr
+    root = p.stderr[p.stderr.index("Root Cause"):]  # the killed rank, not the ranks torchrun stopped after it
+    assert "rank      : 2 " in root and "rank 2 (drafter) died without a Python error" in root, root
     run = out / "r"
     assert checkpoint.list_ckpts(run) == ["ckpt-0000002"]
     assert (run / "ckpt-0000004.tmp" / "train_state.pt").exists()  # killed after the temp write, before the rename
@@ -240,6 +242,8 @@ def test_consecutive_nonfinite_steps_stop_the_run_naming_last_good_checkpoint(ti
     good = str(tmp_path / "r" / "ckpt-0000002")
     assert f"3 consecutive steps with a non-finite loss or grad norm (steps 3-5" in p.stderr
     assert f"Last good checkpoint: {good}" in p.stderr
+    root = p.stderr[p.stderr.index("Root Cause"):]  # a drafter's error, not the target rank stopped after it
+    assert "FAILED: FloatingPointError" in root and "(drafter)]" in root and "died without" not in root, root
     rows = records(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]  # nothing after the stop
     assert [r.get("bad_streak") for r in rows[2:]] == [1, 2, 3]
