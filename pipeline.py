@@ -83,7 +83,7 @@ class Dist:
 
 
 def setup_dist(cfg, env):
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    use_cuda = _on_gpu(cfg)
     if use_cuda:
         torch.cuda.set_device(env.local_rank)  # before any NCCL call, or P2P can hang (batch_isend_irecv docs)
     device = torch.device("cuda", env.local_rank) if use_cuda else torch.device("cpu")
@@ -198,6 +198,7 @@ def placement_table(world, local_world, cfg):
 # memory per GPU, from the configs alone (the start-up check and its printout)
 
 GiB = 2 ** 30
+USABLE = 0.95  # of a device: the CUDA context or the interpreter, and the allocator's fragmentation, take the rest
 
 
 def memory_estimate(cfg, dcfg, target_config, targets_per_node, num_anchors=None):
@@ -213,12 +214,9 @@ def memory_estimate(cfg, dcfg, target_config, targets_per_node, num_anchors=None
     nK = len(dcfg.target_layer_ids)
     P = nK * D * D + L * (D * (2 * q + 2 * kv + 3 * F) + 2 * D + 2 * dcfg.head_dim) + 2 * D  # drafter parameters
     R, C = B * N * K, B * S  # block rows, context positions
-    from transformers import AutoModelForCausalLM
-    with torch.device("meta"):  # the target's parameter counts, from its config: nothing is allocated
-        dec = AutoModelForCausalLM.from_config(target_config.get_text_config()).get_decoder()
-    layers = [sum(p.numel() for p in x.parameters()) for x in dec.layers[:max(dcfg.target_layer_ids) + 1]]
+    layers, embedding = _target_params(target_config, max(dcfg.target_layer_ids) + 1)
     T = targets_per_node if cfg.target_shard == "fsdp" else 1
-    tc = dec.config
+    tc = target_config.get_text_config()
     parts = {"drafter": {"state": P * (2 * b + (4 if b == 2 else 0) + 12), "embedding + head": 2 * V * D * b,
                          "target states": C * nK * D * b,
                          "activations": (L * (R * (4 * D + 3 * q + 3 * kv + 3 * F) + (C + R) * 3 * kv) + C * 2 * D) * b,
@@ -226,15 +224,44 @@ def memory_estimate(cfg, dcfg, target_config, targets_per_node, num_anchors=None
                          # CPU: SDPA with a dense [B, 1, Q, KV] mask materializes the scores of every layer type
                          "dense attention": 0 if _on_gpu(cfg) else B * (dcfg.num_attention_heads * 2 * b + 2) * N * K
                          * (S + N * K) * len(set(dcfg.layer_types))},
-             "target": {"shard": (sum(layers) + dec.embed_tokens.weight.numel()) * b / T,
+             "target": {"shard": (sum(layers) + embedding) * b / T,
                         "gathered layers": 2 * max(layers) * b if T > 1 else 0,
                         "activations": C * (6 * tc.hidden_size + 3 * tc.intermediate_size) * b,
                         "states in flight": C * nK * D * b * (cfg.prefetch + 1)}}
     return {role: {k: v / GiB for k, v in p.items()} for role, p in parts.items()}
 
 
+def _target_params(target_config, n, _seen={}):
+    """Parameters of the target's first n layers, each, and of its embedding, from its config (a meta-device model:
+    nothing is allocated); remembered per config."""
+    key = (target_config.to_json_string(), n)
+    if key not in _seen:
+        from transformers import AutoModelForCausalLM
+        with torch.device("meta"):
+            dec = AutoModelForCausalLM.from_config(target_config.get_text_config()).get_decoder()
+        _seen[key] = [sum(p.numel() for p in x.parameters()) for x in dec.layers[:n]], dec.embed_tokens.weight.numel()
+    return _seen[key]
+
+
 def _on_gpu(cfg):
-    return cfg.device != "cpu" and torch.cuda.is_available()
+    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+
+
+def memory_need(cfg, dcfg, target_config, world, num_anchors=None):
+    """GiB per device of each role (one process holds both when world is 1)."""
+    T = max(1, cfg.target_ranks) if world > 1 else 1
+    total = {r: sum(p.values()) for r, p in memory_estimate(cfg, dcfg, target_config, T, num_anchors).items()}
+    return {"target+drafter": sum(total.values())} if world == 1 else total
+
+
+def largest_anchors(cfg, dcfg, target_config, world, usable):
+    """The largest num_anchors (0: none) whose estimate stays within `usable` GiB on every role: it grows with
+    num_anchors, so bisect."""
+    lo, hi = 0, cfg.max_length
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if max(memory_need(cfg, dcfg, target_config, world, mid).values()) <= usable else (lo, mid - 1)
+    return lo
 
 
 def memory_check(cfg, dcfg, target_config, world, device_gib=None):
@@ -242,23 +269,15 @@ def memory_check(cfg, dcfg, target_config, world, device_gib=None):
     GPU, or on CPU the host's share per process) is refused before anything is loaded, with the largest num_anchors
     that fits."""
     T = max(1, cfg.target_ranks) if world > 1 else 1
-
-    def need(n=None):  # GiB per device of each role at num_anchors n; one process holds both roles
-        total = {r: sum(p.values()) for r, p in memory_estimate(cfg, dcfg, target_config, T, n).items()}
-        return {"target+drafter": sum(total.values())} if world == 1 else total
-
     lines = [f"  {r} rank: {sum(p.values()):.1f} GiB = " + " + ".join(f"{v:.2f} {k}" for k, v in p.items())
              for r, p in memory_estimate(cfg, dcfg, target_config, T).items()]
     if device_gib is None and _on_gpu(cfg):
         device_gib = torch.cuda.get_device_properties(torchrun_env().local_rank).total_memory / GiB
     elif device_gib is None:  # CPU: the processes of this node share its memory
         device_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB / torchrun_env().local_world
-    usable = 0.95 * device_gib  # the CUDA context or the interpreter, and the allocator's fragmentation, take the rest
-    over = {r: x for r, x in need().items() if x > usable}
-    lo, hi = 0, cfg.max_length  # the largest num_anchors that fits: the estimate grows with it, so bisect
-    while over and lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if max(need(mid).values()) <= usable else (lo, mid - 1)
+    usable = USABLE * device_gib
+    over = {r: x for r, x in memory_need(cfg, dcfg, target_config, world).items() if x > usable}
+    lo = largest_anchors(cfg, dcfg, target_config, world, usable) if over else 0
     fit = f"the largest num_anchors that fits is {lo}" if lo else "no num_anchors fits this max_length, batch_size"
     return lines, [f"num_anchors={cfg.num_anchors}: a {r} rank needs ~{x:.1f} GiB at max_length={cfg.max_length}, "
                    f"batch_size={cfg.batch_size} (a device here has {device_gib:.1f} GiB, {usable:.1f} usable); {fit}"

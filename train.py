@@ -21,6 +21,7 @@ import os
 import sys
 import time
 import traceback
+import dataclasses
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -31,9 +32,10 @@ from attention import compile_count, configure_compile
 from checkpoint import (list_ckpts, lock_run_dir, log_line, log_skipped, open_run_dir, plot_curves,
                         resume_point, save_checkpoint, warn_config_changes, write_done, write_run_info)
 from model import DFlashDrafter, DrafterConfig, dflash_loss, drafter_config_from_target, load_drafter, sample_anchors
-from pipeline import (Capture, Colocated, Receiver, assign_roles, drafter_schedule, fill_target, frozen_tables,
-                      memory_check, per_step, placement_table, reduce_stats, report_failure, role_of, run_target,
-                      setup_dist, target_decoder, teardown_dist, torchrun_env, watch_for_death)
+from pipeline import (USABLE, Capture, Colocated, Receiver, assign_roles, drafter_schedule, fill_target,
+                      frozen_tables, largest_anchors, memory_check, per_step, placement_table, reduce_stats,
+                      report_failure, role_of, run_target, setup_dist, target_decoder, teardown_dist, torchrun_env,
+                      watch_for_death)
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,7 @@ class Config:
     resume: str = ""  # "auto" = newest checkpoint of this run, or a checkpoint directory
     seed: int = 42
     preset: str = ""  # "demo": SmolLM2-135M + chitchat on CPU or 1-7 GPUs (data.demo_settings)
-    plan: str = ""  # "NODESxGPUS", e.g. "2x8": print the placement table for that machine and exit (no GPU)
+    plan: str = ""  # "NODESxGPUS[:GiB]", e.g. "1x8:80": print the placement and memory plan and exit (no GPU)
 
 
 # -----------------------------------------------------------------------------
@@ -289,9 +291,8 @@ def _last_good(ckpt):
 
 
 def main(cfg):
-    if cfg.plan:  # dry run: the placement for NODESxGPUS, nothing loaded
-        nodes, gpus = (int(x) for x in cfg.plan.lower().split("x"))
-        print(placement_table(nodes * gpus, gpus, cfg))
+    if cfg.plan:  # dry run, nothing loaded: the placement, the memory per GPU, what fits
+        print(plan(cfg))
         return
     env = torchrun_env()
     try:  # a config error is a message naming the field and exit 1, before any process group or GPU memory
@@ -487,6 +488,31 @@ def read_target(cfg):
                else f"{type(e).__name__}: {str(e).splitlines()[0]}")
         raise ValueError(f"invalid config:\n  target: cannot read a model config and tokenizer from {cfg.target!r} "
                          f"({why})") from None
+
+
+def plan(cfg):
+    """--plan=NODESxGPUS[:GiB]: the placement; each role's memory per GPU from the target's config.json alone (no
+    weights, no tokenizer, no GPU); and the largest num_anchors that fits at each max_length on GPUs of GiB (default:
+    80 and 141, an H100/A100 and an H200)."""
+    from transformers import AutoConfig
+    shape, _, gib = cfg.plan.partition(":")
+    nodes, gpus = (int(x) for x in shape.lower().split("x"))
+    world, sizes = nodes * gpus, [float(gib)] if gib else [80.0, 141.0]
+    try:
+        target_config = AutoConfig.from_pretrained(cfg.target, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--plan needs the target's config.json: --target={cfg.target!r}: {e}") from None
+    cfg = dataclasses.replace(cfg, device="cuda" if cfg.device == "auto" else cfg.device)  # planned for GPUs
+    dcfg = drafter_cfg(dataclasses.replace(cfg, mask_token="0"), target_config, None)  # which token: no matter
+    lines = memory_check(cfg, dcfg, target_config, world, sizes[-1])[0]
+    out = [placement_table(world, gpus, cfg), f"memory per GPU (estimate) at max_length={cfg.max_length}, "
+           f"num_anchors={cfg.num_anchors}, batch_size={cfg.batch_size}, {cfg.dtype}:", *lines,
+           f"largest num_anchors that fits (estimates within {USABLE:.0%} of a GPU of {' or '.join(f'{g:g}' for g in sizes)} GiB):"]
+    for S in sorted({1024, 2048, 4096, 8192, 16384, cfg.max_length}):
+        c = dataclasses.replace(cfg, max_length=S)
+        out.append(f"  max_length={S}: " + ", ".join(
+            f"{largest_anchors(c, dcfg, target_config, world, USABLE * g)} on {g:g} GiB" for g in sizes))
+    return "\n".join(out)
 
 
 def drafter_cfg(cfg, target_config, tokenizer):

@@ -37,9 +37,10 @@ def test_route_keeps_traffic_on_node_and_in_order(nnodes, T, D, accum):
     assert max(per_target) - min(per_target) <= 1
 
 
-def test_plan_tables_need_no_gpu():
+def test_plan_tables_need_no_gpu(tiny_target):
     for nodes in (1, 2, 4):
-        p = subprocess.run([sys.executable, str(ROOT / "train.py"), f"--plan={nodes}x8"], capture_output=True,
+        p = subprocess.run([sys.executable, str(ROOT / "train.py"), f"--plan={nodes}x8", f"--target={tiny_target}"],
+                           capture_output=True,
                            text=True, cwd=ROOT, timeout=120)
         assert p.returncode == 0, p.stderr
         rows = [line for line in p.stdout.splitlines() if line.strip()[:1].isdigit()]

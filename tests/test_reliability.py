@@ -556,3 +556,24 @@ def test_memory_estimate_refuses_what_cannot_fit_and_names_the_largest_num_ancho
     drafter = lambda n: sum(pipeline.memory_estimate(cfg, dcfg, tc, 2, n)["drafter"].values())  # noqa: E731
     assert drafter(fit) <= 0.95 * device < drafter(fit + 1)
     train.validate(train.Config(**{**valid, "num_anchors": fit}), 3, tc, tok, device_gib=device)
+
+
+def test_plan_prints_each_roles_memory_and_the_largest_num_anchors_per_length(valid, target_meta, capsys):
+    """--plan, from the target's config alone: the memory lines of the start-up check, and per max_length the
+    largest num_anchors that fits a GPU of the stated size, which the start-up check confirms (it passes, one more
+    is refused). The size lies between the estimates for 4 and 8 anchors at the configured max_length."""
+    import pipeline
+    cfg = train.Config(**valid)
+    tc, tok = target_meta
+    dcfg = train.drafter_cfg(cfg, tc, tok)
+    gib = sum(max(pipeline.memory_need(cfg, dcfg, tc, 3, n).values()) for n in (4, 8)) / 2 / 0.95
+    train.main(train.Config(**{**valid, "plan": f"1x3:{gib}"}))
+    out = capsys.readouterr().out
+    assert "  target rank: " in out and "  drafter rank: " in out and "LM-head chunk" in out
+    row = next(x for x in out.splitlines() if x.startswith(f"  max_length={cfg.max_length}: "))
+    fit = int(row.split(": ")[1].split()[0])
+    assert 4 <= fit < 8
+    check = lambda n: pipeline.memory_check(train.Config(**{**valid, "num_anchors": n}), dcfg, tc, 3, gib)[1]
+    assert check(fit) == [] and check(fit + 1)
+    with pytest.raises(SystemExit, match="--plan needs the target's config.json"):
+        train.main(train.Config(**{**valid, "plan": "1x8", "target": str(valid["out_dir"])}))
