@@ -477,15 +477,27 @@ def block_labels(input_ids_BS, loss_mask_BS, anchors_BN, keep_BN, K, gamma):
     return labels, valid, valid.float() * decay
 
 
-def _ce_chunk(logits_MV, labels_M, w_M):
+def dpace_weights(ce_M, valid_M, K, alpha):
+    """D-PACE (arXiv 2605.18810) loss weights, detached: with q_i the drafter's probability of label i, smoothed
+    q~_i = (1 - alpha) q_i + alpha, and 1 where nothing is supervised (the chain passes through), offset k weighs
+    w_k = sum over supervised m >= k of prod_{i<=m} q~_i: the expected accepted length that getting k right buys."""
+    q = torch.where(valid_M > 0, (1 - alpha) * torch.exp(-ce_M) + alpha, 1.0).view(-1, K)
+    run = torch.cumprod(q, -1) * valid_M.view(-1, K)
+    return run.flip(-1).cumsum(-1).flip(-1).reshape(-1) * valid_M
+
+
+def _ce_chunk(logits_MV, labels_M, w_M, K=0, alpha=0.0):
     """Weighted CE of one chunk and its gradient w.r.t. the logits, in fp32, returned in the logits' dtype:
-    d(sum_m w_m CE_m)/dlogits = w * (softmax - onehot). Compiled on CUDA into a few fused passes over [M, V]."""
+    d(sum_m w_m CE_m)/dlogits = w * (softmax - onehot). K > 0: w_M is the 0/1 mask and the weights are D-PACE's,
+    from this chunk's whole blocks of K rows. Compiled on CUDA into a few fused passes over [M, V]."""
     x = logits_MV.float()
     lse = torch.logsumexp(x, dim=-1)
-    loss = ((lse - x.gather(1, labels_M[:, None]).squeeze(1)) * w_M).sum()
+    ce = lse - x.gather(1, labels_M[:, None]).squeeze(1)
+    if K:
+        w_M = dpace_weights(ce.detach(), w_M, K, alpha)
     grad = torch.exp(x - lse[:, None]) * w_M[:, None]
     grad = grad.scatter_add(1, labels_M[:, None], -w_M[:, None])
-    return loss, x.argmax(-1) == labels_M, grad.to(logits_MV.dtype)
+    return (ce * w_M).sum(), x.argmax(-1) == labels_M, grad.to(logits_MV.dtype)
 
 
 _ce_chunk_compiled = torch.compile(_ce_chunk, dynamic=False)  # lazy; shapes are fixed per run (fixed anchors)
@@ -497,14 +509,14 @@ class HeadCE(torch.autograd.Function):
     checkpointing, a third LM-head matmul), and no fp32 copy of all logits is ever held. The head gets no gradient."""
 
     @staticmethod
-    def forward(ctx, out_MD, head_VD, labels_M, w_M, chunk_rows):
+    def forward(ctx, out_MD, head_VD, labels_M, w_M, chunk_rows, K=0, alpha=0.0):
         ce = _ce_chunk_compiled if out_MD.is_cuda else _ce_chunk
         loss = torch.zeros((), device=out_MD.device)
         grad = torch.empty_like(out_MD)
         correct = torch.empty(out_MD.shape[0], dtype=torch.bool, device=out_MD.device)
         for i in range(0, out_MD.shape[0], chunk_rows):
             j = slice(i, i + chunk_rows)
-            l, correct[j], g = ce(out_MD[j] @ head_VD.t(), labels_M[j], w_M[j])
+            l, correct[j], g = ce(out_MD[j] @ head_VD.t(), labels_M[j], w_M[j], K, alpha)
             loss += l
             grad[j] = g @ head_VD
         ctx.save_for_backward(grad)
@@ -514,14 +526,16 @@ class HeadCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, g_correct):
         (grad,) = ctx.saved_tensors
-        return grad * g_loss.to(grad.dtype), None, None, None, None
+        return grad * g_loss.to(grad.dtype), None, None, None, None, None, None
 
 
 def dflash_loss(drafter, embed_VD, lm_head_VD, input_ids_BS, loss_mask_BS, hidden_BSC, anchors_BN, keep_BN,
-                gamma=7.0, backend="sdpa", chunk_blocks=64):
+                gamma=7.0, backend="sdpa", chunk_blocks=64, weighting="decay", alpha=0.5):
     """DFlash objective for one micro-batch. Returns additive terms so that normalization stays exact across ranks
     and micro-batches: loss_sum (differentiable), weight_sum, per-offset correct_K / count_K, tau_sum / blocks.
-    The caller divides: loss = loss_sum / (global weight_sum)."""
+    The caller divides: loss = loss_sum / (global weight_sum). weighting "decay": exp(-(k-1)/gamma), weight_sum the
+    sum of weights; "dpace": dpace_weights, weight_sum the kept blocks (dividing by the D-PACE weights' own sum would
+    cancel the credit they give; a count summed over all ranks and micro-batches cannot depend on the split)."""
     cfg = drafter.cfg
     K = cfg.block_size
     B, S = input_ids_BS.shape
@@ -538,11 +552,12 @@ def dflash_loss(drafter, embed_VD, lm_head_VD, input_ids_BS, loss_mask_BS, hidde
     out = drafter(x, hidden_BSC, pos_BNK.view(B, N * K), masks).view(B, N, K, -1)
 
     labels, valid, w = block_labels(input_ids_BS, loss_mask_BS, anchors_BN, keep_BN, K, gamma)
+    dpace = weighting == "dpace"
 
     # lm_head + CE in chunks of blocks: the full [N*K, V] logits never exist at once
     rows = (chunk_blocks if chunk_blocks > 0 else N) * K
     loss_sum, correct = HeadCE.apply(out.reshape(-1, out.shape[-1]), lm_head_VD, labels.reshape(-1),
-                                     w.reshape(-1), rows)
+                                     (valid.float() if dpace else w).reshape(-1), rows, K if dpace else 0, alpha)
     correct = correct.view(B, N, K) & valid
 
     # training-time acceptance estimate: accepted = sum_j prod_{i<=j} correct_i over supervised positions,
@@ -550,7 +565,7 @@ def dflash_loss(drafter, embed_VD, lm_head_VD, input_ids_BS, loss_mask_BS, hidde
     run = torch.cumprod((correct | ~valid)[:, :, 1:].float(), dim=-1)
     accepted = (run * valid[:, :, 1:]).sum(-1)
     return dict(
-        loss_sum=loss_sum, weight_sum=w.sum().detach(),
+        loss_sum=loss_sum, weight_sum=keep_BN.sum().float() if dpace else w.sum().detach(),
         correct_K=correct.sum((0, 1)).float(), count_K=valid.sum((0, 1)).float(),
         tau_sum=((1 + accepted) * keep_BN).sum(), blocks=keep_BN.sum().float(),
     )

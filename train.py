@@ -55,7 +55,9 @@ class Config:
     batch_size: int = 1  # sequences per micro-batch (one drafter rank, one forward)
     grad_accum: int = 1  # micro-batches per drafter rank per optimizer step
     num_anchors: int = 512  # blocks per sequence (padded with invalid blocks: fixed shapes)
-    gamma: float = 7.0  # loss decay over block offsets, exp(-(k-1)/gamma)
+    loss_weighting: str = "decay"  # over block offsets: decay = exp(-(k-1)/gamma) | dpace (model.dpace_weights)
+    gamma: float = 7.0  # decay's scale
+    dpace_alpha: float = 0.5  # dpace's smoothing of the drafter's confidence, (1 - alpha) q + alpha
     loss_chunk: int = 64  # blocks per lm_head+CE chunk (0 = one sequence's blocks); the logits exist per chunk only
     skip_invalid: bool = False  # skip (and count) broken records instead of stopping at the first
     pad_multiple: int = 128  # sequence length bucket, tokens (fewer distinct shapes, no recompiles)
@@ -225,7 +227,8 @@ def accumulate(step, cfg, models, source, schedule):
         gen = torch.Generator(hidden.device).manual_seed(cfg.seed * 1_000_003 + m)
         anchors, keep = sample_anchors(batch["loss_mask"], cfg.num_anchors, gen)
         r = dflash_loss(drafter, embed, head, batch["input_ids"], batch["loss_mask"], hidden, anchors, keep,
-                        gamma=cfg.gamma, backend="flex" if hidden.is_cuda else "sdpa", chunk_blocks=cfg.loss_chunk)
+                        gamma=cfg.gamma, backend="flex" if hidden.is_cuda else "sdpa", chunk_blocks=cfg.loss_chunk,
+                        weighting=cfg.loss_weighting, alpha=cfg.dpace_alpha)
         r["loss_sum"].backward()
         s = {k: r[k].detach().double().cpu() for k in ("loss_sum", "weight_sum", "tau_sum", "blocks",
                                                          "correct_K", "count_K")}  # .cpu() synchronizes
@@ -408,6 +411,8 @@ RULES = SHAPE + [
     *_each(["weight_decay"], lambda x: 0 <= x < INF, "must be >= 0 and finite"),
     *_each(["warmup_ratio", "beta1", "beta2"], lambda x: 0 <= x < 1, "must be in [0, 1)"),
     ("dtype", lambda c, t: c.dtype in ("bfloat16", "float32"), "must be bfloat16 or float32"),
+    ("loss_weighting", lambda c, t: c.loss_weighting in ("decay", "dpace"), "must be decay or dpace"),
+    *_each(["dpace_alpha"], lambda x: 0 < x <= 1, "must be in (0, 1]"),
     ("target_shard", lambda c, t: c.target_shard in ("fsdp", "replicate"), "must be fsdp or replicate"),
     ("device", lambda c, t: c.device in ("auto", "cpu") or (c.device == "cuda" and torch.cuda.is_available()),
      "must be auto, cpu or cuda (cuda only where CUDA is available)"),

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from attention import build_masks
-from model import (DFlashDrafter, DrafterConfig, block_labels, build_target_layer_ids, dflash_loss,
+from model import (DFlashDrafter, DrafterConfig, block_labels, build_target_layer_ids, dflash_loss, dpace_weights,
                    drafter_config_from_target, load_drafter, rope_inv_freq, sample_anchors, save_drafter)
 
 V, D = 96, 64
@@ -92,6 +92,51 @@ def test_labels_and_weights_by_hand():
     torch.testing.assert_close(w[0, 2], torch.tensor([0, 1, e1, 0]))
     # padding block: nothing
     assert not valid[0, 3].any() and (w[0, 3] == 0).all()
+
+
+def test_dpace_weights_by_hand():
+    """q = 0.8, 0.5, 0.2 at offsets 1..3, alpha 0.5: q~ = 0.9, 0.75, 0.6, prefix products 0.9, 0.675, 0.405, and
+    w_k = the sum of those from k on. An unsupervised offset passes the chain through (q~ = 1) and adds nothing."""
+    ce = -torch.log(torch.tensor([1.0, 0.8, 0.5, 0.2] * 2))
+    valid = torch.tensor([0, 1, 1, 1, 0, 1, 0, 1.0])
+    w = dpace_weights(ce, valid, 4, 0.5).view(2, 4)
+    torch.testing.assert_close(w[0], torch.tensor([0, 0.9 + 0.675 + 0.405, 0.675 + 0.405, 0.405]))
+    torch.testing.assert_close(w[1], torch.tensor([0, 0.9 + 0.9 * 0.6, 0, 0.9 * 0.6]))
+    torch.testing.assert_close(dpace_weights(ce, valid, 4, 1.0).view(2, 4)[0], torch.tensor([0, 3.0, 2, 1]))
+
+
+@pytest.mark.parametrize("chunk", [0, 2])
+def test_dpace_loss_matches_direct_formula(chunk):
+    """weighting="dpace": loss_sum = sum over supervised offsets of w_k * CE_k, w from each block's detached
+    confidences (written out here), gradients those of that sum with w held constant, weight_sum = kept blocks;
+    the same in chunks of blocks."""
+    drafter, embed, head, ids, lm, hidden, anchors, keep = _loss_setup(2)
+    cfg, K = drafter.cfg, drafter.cfg.block_size
+    r = dflash_loss(drafter, embed, head, ids, lm, hidden, anchors, keep, chunk_blocks=chunk, weighting="dpace",
+                    alpha=0.3)
+    r["loss_sum"].backward()
+    fused = [p.grad.clone() for p in drafter.parameters()]
+    drafter.zero_grad()
+    x, pos, _ = blocks_input(cfg, embed, ids, anchors, keep)
+    out = drafter(x, hidden, pos, build_masks(anchors, keep, 30, K, cfg.layer_types, 6, "sdpa"))
+    labels, valid, _ = block_labels(ids, lm, anchors, keep, K, 7.0)
+    ce = F.cross_entropy(out.reshape(-1, D) @ head.t(), labels.reshape(-1), reduction="none").view(2, -1, K)
+    q = torch.exp(-ce.detach())
+    ref = 0.0
+    for b in range(2):
+        for n in range(anchors.shape[1]):
+            run, prefix = 1.0, []
+            for k in range(K):
+                run *= float(0.7 * q[b, n, k] + 0.3) if valid[b, n, k] else 1.0
+                prefix.append(run if valid[b, n, k] else 0.0)
+            for k in range(K):
+                if valid[b, n, k]:
+                    ref = ref + sum(prefix[k:]) * ce[b, n, k]
+    ref.backward()
+    torch.testing.assert_close(r["loss_sum"], ref.detach(), atol=1e-4, rtol=1e-5)
+    assert r["weight_sum"] == keep.sum() and valid.sum() > 10
+    for a, p in zip(fused, drafter.parameters()):
+        torch.testing.assert_close(a, p.grad, atol=1e-5, rtol=1e-4)
 
 
 def test_sample_anchors():

@@ -114,6 +114,22 @@ def test_torchrun_3_and_4_processes_and_topology_invariance(tiny_target, convs, 
     assert d.cfg.target_layer_ids == build_target_layer_ids(6, 3) and d.cfg.mask_token_id == 16
 
 
+def test_dpace_normalization_is_split_invariant(tiny_target, convs, tmp_path):
+    """--loss_weighting=dpace: its denominator (kept blocks) is summed over micro-batches and drafter ranks, so one
+    process with 4 micro-batches and 2 data-parallel drafters with 2 each give the same step-1 loss and grad norm
+    (a rank-local denominator would not), and the loss differs from the decay objective's."""
+    runs = {}
+    for nproc, extra in ((1, ["--grad_accum=4"]), (4, ["--grad_accum=2", "--target_ranks=2", "--drafter_ranks=2"]),
+                         (0, ["--grad_accum=4", "--loss_weighting=decay"])):
+        p, _ = run_train(tiny_target, convs, tmp_path / f"w{nproc}", max(nproc, 1), "--max_steps=1", *extra,
+                         *(["--loss_weighting=dpace", "--dpace_alpha=0.4"] if nproc else []))
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        runs[nproc] = metrics(tmp_path / f"w{nproc}")[0]
+    for key in ("loss", "grad_norm", "acc", "tau_est"):
+        assert runs[4][key] == pytest.approx(runs[1][key], rel=1e-4, abs=1e-6), key
+    assert runs[1]["loss"] != pytest.approx(runs[0]["loss"], rel=1e-3)
+
+
 def test_resume_is_exact(tiny_target, convs, tmp_path):
     p, _ = run_train(tiny_target, convs, tmp_path / "a", 1, "--max_steps=6", "--batch_size=2")
     assert p.returncode == 0, p.stderr[-3000:]
