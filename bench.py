@@ -335,9 +335,58 @@ def bench_decode(args):
             row(f"{label}, pass {rep}: plain step", f"{1e3 * (t['plain_prefill'] + t['plain_step']) / len(out):.1f} ms")
 
 
+def bench_plan(args):
+    """The start-up check's estimate (pipeline.memory_need, what train.py --plan prints) against the measured peak of
+    train.py's own pieces (a drafter rank: drafter, train.Optimizer with fp32 masters and Adam, dflash_loss on a
+    full-length micro-batch of target states): --preset 27b, its drafter rank at each --seq; --preset smol, the demo
+    on one GPU (SmolLM2 target, capture and drafter in one process, data.demo_settings' cuda settings). One setting
+    per process: compiled layers of another model or shape in the same process would recompile as dynamic."""
+    from types import SimpleNamespace
+    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+    from data import demo_settings
+    from pipeline import Capture, GiB, memory_need
+    from train import Config, Optimizer
+    configure_compile()
+    row, gen = table("plan: estimate vs measured peak"), torch.Generator("cuda").manual_seed(0)
+
+    def measure(cfg, dcfg, capture=None):  # -> GiB peak allocated over 3 steps, the state of a run included
+        drafter = DFlashDrafter(dcfg).to("cuda", torch.bfloat16)
+        optim = Optimizer(cfg, drafter, SimpleNamespace(drafters=[0], drafter_group=None))
+        V, D, B, S = dcfg.vocab_size, dcfg.hidden_size, cfg.batch_size, cfg.max_length
+        embed, head = (torch.randn(V, D, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in "eh")
+        for _ in range(3):
+            ids, lm = torch.randint(0, V, (B, S), device="cuda"), torch.ones(B, S, device="cuda")
+            hidden = capture(ids) if capture else torch.randn(B, S, len(dcfg.target_layer_ids) * D, device="cuda",
+                                                              dtype=torch.bfloat16)
+            anchors, keep = sample_anchors(lm, cfg.num_anchors, gen)
+            r = dflash_loss(drafter, embed, head, ids, lm, hidden, anchors, keep, backend="flex",
+                            chunk_blocks=cfg.loss_chunk)
+            r["loss_sum"].backward()
+            optim.step(1e-4, r["weight_sum"].item())
+        return torch.cuda.max_memory_allocated() / GiB
+
+    tc27 = AutoConfig.for_model(TARGETS["27b"][0], **QWEN36_27B)
+    for S in (int(s) for s in args.seq.split(",")) if args.preset == "27b" else ():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        cfg = Config(max_length=S, num_anchors=args.anchors, loss_chunk=args.chunk)
+        dcfg = DrafterConfig(**PRESETS["27b"])
+        est, got = memory_need(cfg, dcfg, tc27, 8)["drafter"], measure(cfg, dcfg)
+        row(f"27B drafter rank, S={S}, {args.anchors} anchors", f"{est:.2f} vs {got:.2f} GiB", f"{est / got - 1:+.1%}")
+    if args.preset != "smol":
+        return
+    cfg, dcfg, tc = Config(**demo_settings("cuda")["train"]), DrafterConfig(**PRESETS["smol"]), LlamaConfig(**SMOLLM2)
+    target = LlamaForCausalLM(tc).to("cuda", torch.bfloat16).eval().requires_grad_(False)
+    capture = Capture(truncate(target.get_decoder(), max(dcfg.target_layer_ids) + 1), dcfg.target_layer_ids)
+    est, got = memory_need(cfg, dcfg, tc, 1)["target+drafter"], measure(cfg, dcfg, capture)
+    row(f"demo colocated, S={cfg.max_length} x {cfg.batch_size}, {cfg.num_anchors} anchors",
+        f"{est:.2f} vs {got:.2f} GiB", f"{est / got - 1:+.1%}")
+
+
 CASES = ["ceilings", "drafter --preset 27b --seq 4096,2048 --breakdown", "drafter --preset 27b --eager",
          "drafter --preset 8b --seq 3072 --breakdown", "target --model 8b", "target --model 27b", "e2e --model 8b",
-         "target --model 27b --no-fla", "decode"]  # 7, transformers' torch fallback kernels: only when asked
+         "target --model 27b --no-fla", "decode", "plan --seq 4096",
+         "plan --seq 2048", "plan --preset smol"]  # 7, the torch fallback: only when asked
 
 
 def run_all(args):
@@ -362,7 +411,7 @@ def run_all(args):
 
 def main(argv=None):
     benches = dict(all=run_all, ceilings=bench_ceilings, drafter=bench_drafter, target=bench_target, e2e=bench_e2e,
-                   decode=bench_decode)
+                   decode=bench_decode, plan=bench_plan)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", nargs="?", default="all", choices=list(benches))
     ap.add_argument("--preset", default="27b", choices=list(PRESETS), help="drafter: whose drafter")

@@ -226,8 +226,9 @@ def _merge(parts):
 
 def tau_figures(per_prompt, suffix=""):
     """tau: the authors' count (accepted + 1 every cycle), the mean of per-prompt means as their benchmark prints
-    it, with a bootstrap 95% interval over prompts (2,000 resamples, seeded); tau_committed: only the tokens that end up in the output, over the cycles that gave any (stricter: no credit
-    past EOS or max_new). _pooled: over all cycles of all prompts instead of per prompt."""
+    it, with a bootstrap 95% interval over prompts (2,000 resamples, seeded); tau_committed: only the tokens that end
+    up in the output, over the cycles that gave any (stricter: no credit past EOS or max_new). _pooled: over all
+    cycles of all prompts instead of per prompt."""
     n, pooled = max(len(per_prompt), 1), lambda xs: sum(map(sum, xs)) / max(sum(map(len, xs)), 1)
     taus = torch.tensor([float(r["tau"]) for r in per_prompt] or [0.0], dtype=torch.float64)
     boot = taus[torch.randint(len(taus), (2000, len(taus)), generator=torch.Generator().manual_seed(0))].mean(1)

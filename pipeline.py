@@ -260,7 +260,8 @@ def largest_anchors(cfg, dcfg, target_config, world, usable):
     lo, hi = 0, cfg.max_length
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if max(memory_need(cfg, dcfg, target_config, world, mid).values()) <= usable else (lo, mid - 1)
+        fits = max(memory_need(cfg, dcfg, target_config, world, mid).values()) <= usable
+        lo, hi = (mid, hi) if fits else (lo, mid - 1)
     return lo
 
 

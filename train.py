@@ -512,7 +512,8 @@ def plan(cfg):
     lines = memory_check(cfg, dcfg, target_config, world, sizes[-1])[0]
     out = [placement_table(world, gpus, cfg), f"memory per GPU (estimate) at max_length={cfg.max_length}, "
            f"num_anchors={cfg.num_anchors}, batch_size={cfg.batch_size}, {cfg.dtype}:", *lines,
-           f"largest num_anchors that fits (estimates within {USABLE:.0%} of a GPU of {' or '.join(f'{g:g}' for g in sizes)} GiB):"]
+           f"largest num_anchors that fits (estimates within {USABLE:.0%} of a GPU of "
+           f"{' or '.join(f'{g:g}' for g in sizes)} GiB):"]
     for S in sorted({1024, 2048, 4096, 8192, 16384, cfg.max_length}):
         c = dataclasses.replace(cfg, max_length=S)
         out.append(f"  max_length={S}: " + ", ".join(

@@ -310,8 +310,9 @@ def test_cli_loads_checkpoint_writes_json_and_png(tmp_path, llama):
 # -----------------------------------------------------------------------------
 # --workers: prompts split over processes, merged into one run's results
 
-EXACT = ("tau", "tau_pooled", "tau_committed", "tau_committed_pooled", "tau_ci95", "cycles", "new_tokens", "accept_hist", "pos_accept", "pos_accept_counts",
-         "pos_seen_counts", "plain_tokens", "lossless", "divergences", "per_prompt")  # all but speeds and config
+EXACT = ("tau", "tau_pooled", "tau_committed", "tau_committed_pooled", "tau_ci95", "cycles", "new_tokens",
+         "accept_hist", "pos_accept", "pos_accept_counts", "pos_seen_counts", "plain_tokens", "lossless", "divergences",
+         "per_prompt")  # all but speeds and config
 
 
 @pytest.mark.parametrize("dtype,temperature", [(torch.bfloat16, 0.0), (torch.float32, 1.0)],
@@ -501,8 +502,9 @@ def test_watch_counts_pruned_checkpoints(tmp_path, llama):
         save_drafter(llama[1], run / name, dtype=None)
     (run / "done.json").write_text("{}")
     fake = dict(tau=2.0, tau_pooled=1.5, tau_ci95=[1.5, 2.5], tau_committed=1.5, tau_committed_pooled=1.5,
-                speedup=None, lossless=None, divergences=[], accept_hist=[1, 1], cycles=2, pos_accept=[0.5], config=dict(block_size=2, prompts=1, dtype="float32"), per_prompt=[{}],
-                plain_tokens=0, spec_tok_s=1.0, time_s=dict.fromkeys(ev.TIME_KEYS, 0.0))
+                speedup=None, lossless=None, divergences=[], accept_hist=[1, 1], cycles=2, pos_accept=[0.5],
+                config=dict(block_size=2, prompts=1, dtype="float32"), per_prompt=[{}], plain_tokens=0,
+                spec_tok_s=1.0, time_s=dict.fromkeys(ev.TIME_KEYS, 0.0))
 
     def evaluate_ckpt(path):
         if path.endswith("ckpt-0000002"):
