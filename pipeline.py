@@ -270,7 +270,7 @@ def memory_check(cfg, dcfg, target_config, world, device_gib=None):
     GPU, or on CPU the host's share per process) is refused before anything is loaded, with the largest num_anchors
     that fits."""
     T = max(1, cfg.target_ranks) if world > 1 else 1
-    lines = [f"  {r} rank: {sum(p.values()):.1f} GiB = " + " + ".join(f"{v:.2f} {k}" for k, v in p.items())
+    lines = [f"  {r} rank: {sum(p.values()):.1f} GiB = " + " + ".join(f"{v:.2f} {k}" for k, v in p.items() if v)
              for r, p in memory_estimate(cfg, dcfg, target_config, T).items()]
     if device_gib is None and _on_gpu(cfg):
         device_gib = torch.cuda.get_device_properties(torchrun_env().local_rank).total_memory / GiB
