@@ -1,5 +1,6 @@
-"""Acceptance length tau (tokens committed per verify cycle) under real DFlash speculative decoding, batch 1, as the
-authors' `dflash_generate`, and the check that greedy output equals plain greedy decoding (README: Evaluate a drafter).
+"""Acceptance length tau (accepted drafts + 1 per verify cycle, counted as the authors' benchmark counts it; the
+committed-token count beside it) under real DFlash speculative decoding, batch 1, and the check that greedy output
+equals plain greedy decoding (README: Evaluate a drafter).
 
   python eval.py --target DIR --drafter CKPT --data prompts.jsonl [--workers 8 --train-data train.jsonl ...]
   python eval.py --watch out/RUN --data prompts.jsonl [...]   # every checkpoint of a run, as training writes it
@@ -56,7 +57,12 @@ def draft(drafter, target, block_1K, new_hidden_1TC, cache, start, temperature, 
     x_1KD = F.embedding(block_1K, target.get_input_embeddings().weight)  # raw rows, exactly as dflash_loss embeds
     h_1KD, cache = drafter.forward_cached(x_1KD, new_hidden_1TC, cache, start)
     logits = target.get_output_embeddings()(h_1KD[:, 1:])  # offset 0 is the clean anchor: its output is unused
-    return pick(logits, temperature, generator), cache
+    if not drafter.cfg.markov_rank:
+        return pick(logits, temperature, generator), cache
+    toks = [block_1K[:, 0]]  # a Markov head: left to right, each drafted token the next one's previous
+    for k in range(logits.shape[1]):
+        toks.append(pick(logits[:, k] + drafter.markov_head(toks[-1]).to(logits.dtype), temperature, generator))
+    return torch.stack(toks[1:], 1), cache
 
 
 def _clock(dev, times=None, key=None, t0=0.0):

@@ -195,6 +195,7 @@ class DrafterConfig:
     sliding_window: int | None = None
     attention_bias: bool = False
     initializer_range: float = 0.02
+    markov_rank: int = 0  # > 0: DSpark's low-rank Markov head (MarkovHead); 0: plain DFlash
 
     def __post_init__(self):
         if self.layer_types is None:
@@ -212,8 +213,15 @@ class DrafterConfig:
 
     def to_json_dict(self):
         sliding = "sliding_attention" in self.layer_types
+        # with a Markov head the checkpoint is a DSpark drafter as vLLM (`method: "dspark"`, found by this
+        # architecture) and SGLang read one: the head's rank, the vanilla head, no confidence head, and our block
+        # layout (offset 0 holds the anchor and predicts nothing: sample_from_anchor false)
+        head = {"markov_rank": self.markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": False,
+                "sample_from_anchor": False, "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids)} if self.markov_rank else {}
         return {
-            "architectures": ["DFlashDraftModel"],  # no auto_map: the engines register this name themselves
+            # no auto_map: the engines register these names themselves
+            "architectures": ["Qwen3DSparkModel" if self.markov_rank else "DFlashDraftModel"], **head,
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -330,6 +338,20 @@ def drafter_config_from_target(target_config, tokenizer=None, num_layers=5, num_
 # the drafter
 
 
+class MarkovHead(nn.Module):
+    """DSpark's sequential correction (deepseek-ai/DeepSpec): block offset k's logits get a low-rank bias from the
+    token before it, logits_k = lm_head(h_k) + markov_w2(markov_w1[token_{k-1}]). Training feeds the true previous
+    token (dflash_loss); drafting goes left to right, each drafted token the next one's previous (eval.draft)."""
+
+    def __init__(self, vocab_size, rank):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+
+    def forward(self, prev_ids):
+        return self.markov_w2(self.markov_w1(prev_ids))
+
+
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -339,6 +361,8 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.markov_rank:
+            self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank)
         # fp32 buffer, not a weight (persistent=False keeps it out of the checkpoint); see _apply below
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
         for layer in self.layers:
@@ -346,10 +370,10 @@ class DFlashDrafter(nn.Module):
         self.apply(self._init_weights)
         self.compile_layers = True  # run-time switch, not a checkpoint field (bench.py measures both)
 
-    def _init_weights(self, m):  # HF Qwen3PreTrainedModel init: N(0, 0.02) linears, norms at 1
-        if isinstance(m, nn.Linear):
+    def _init_weights(self, m):  # HF Qwen3PreTrainedModel init: N(0, 0.02) linears and embeddings, norms at 1
+        if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=self.cfg.initializer_range)
-            if m.bias is not None:
+            if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
 
     def _apply(self, fn, *args, **kwargs):
@@ -506,27 +530,39 @@ _ce_chunk_compiled = torch.compile(_ce_chunk, dynamic=False)  # lazy; shapes are
 class HeadCE(torch.autograd.Function):
     """Frozen LM head + weighted cross-entropy, chunked over rows, with the input gradient computed in the forward
     pass: each chunk's [rows, V] logits exist once and are never recomputed (SpecForge recomputes them under
-    checkpointing, a third LM-head matmul), and no fp32 copy of all logits is ever held. The head gets no gradient."""
+    checkpointing, a third LM-head matmul), and no fp32 copy of all logits is ever held. The head gets no gradient.
+    With a Markov head (w1 [V, r], w2 [V, r]; prev_M the previous tokens) the logits get its bias, and w1, w2 their
+    gradients, from the same chunk."""
 
     @staticmethod
-    def forward(ctx, out_MD, head_VD, labels_M, w_M, chunk_rows, K=0, alpha=0.0):
+    def forward(ctx, out_MD, head_VD, labels_M, w_M, chunk_rows, K=0, alpha=0.0, prev_M=None, w1_Vr=None, w2_Vr=None):
         ce = _ce_chunk_compiled if out_MD.is_cuda else _ce_chunk
         loss = torch.zeros((), device=out_MD.device)
         grad = torch.empty_like(out_MD)
         correct = torch.empty(out_MD.shape[0], dtype=torch.bool, device=out_MD.device)
+        g1, g2 = (None, None) if w1_Vr is None else (torch.zeros_like(w1_Vr, dtype=torch.float32),
+                                                     torch.zeros_like(w2_Vr, dtype=torch.float32))
         for i in range(0, out_MD.shape[0], chunk_rows):
             j = slice(i, i + chunk_rows)
-            l, correct[j], g = ce(out_MD[j] @ head_VD.t(), labels_M[j], w_M[j], K, alpha)
+            logits = out_MD[j] @ head_VD.t()
+            if w1_Vr is not None:
+                e_Mr = F.embedding(prev_M[j], w1_Vr)
+                logits = logits + e_Mr @ w2_Vr.t()
+            l, correct[j], g = ce(logits, labels_M[j], w_M[j], K, alpha)
             loss += l
             grad[j] = g @ head_VD
-        ctx.save_for_backward(grad)
+            if w1_Vr is not None:
+                g2 += (g.t() @ e_Mr).float()
+                g1.index_add_(0, prev_M[j], (g @ w2_Vr).float())
+        ctx.save_for_backward(grad, *(() if g1 is None else (g1.to(w1_Vr.dtype), g2.to(w2_Vr.dtype))))
         ctx.mark_non_differentiable(correct)
         return loss, correct
 
     @staticmethod
     def backward(ctx, g_loss, g_correct):
-        (grad,) = ctx.saved_tensors
-        return grad * g_loss.to(grad.dtype), None, None, None, None, None, None
+        grad, *head = ctx.saved_tensors
+        g1, g2 = (x * g_loss.to(x.dtype) for x in head) if head else (None, None)
+        return grad * g_loss.to(grad.dtype), None, None, None, None, None, None, None, g1, g2
 
 
 def dflash_loss(drafter, embed_VD, lm_head_VD, input_ids_BS, loss_mask_BS, hidden_BSC, anchors_BN, keep_BN,
@@ -556,8 +592,11 @@ def dflash_loss(drafter, embed_VD, lm_head_VD, input_ids_BS, loss_mask_BS, hidde
 
     # lm_head + CE in chunks of blocks: the full [N*K, V] logits never exist at once
     rows = (chunk_blocks if chunk_blocks > 0 else N) * K
+    prev = torch.cat([labels[:, :, :1], labels[:, :, :-1]], -1)  # the true token before each offset (1: the anchor)
+    m = drafter.markov_head if cfg.markov_rank else None
     loss_sum, correct = HeadCE.apply(out.reshape(-1, out.shape[-1]), lm_head_VD, labels.reshape(-1),
-                                     (valid.float() if dpace else w).reshape(-1), rows, K if dpace else 0, alpha)
+                                     (valid.float() if dpace else w).reshape(-1), rows, K if dpace else 0, alpha,
+                                     *([prev.reshape(-1), m.markov_w1.weight, m.markov_w2.weight] if m else []))
     correct = correct.view(B, N, K) & valid
 
     # training-time acceptance estimate: accepted = sum_j prod_{i<=j} correct_i over supervised positions,

@@ -213,6 +213,7 @@ def memory_estimate(cfg, dcfg, target_config, targets_per_node, num_anchors=None
     q, kv = dcfg.num_attention_heads * dcfg.head_dim, dcfg.num_key_value_heads * dcfg.head_dim
     nK = len(dcfg.target_layer_ids)
     P = nK * D * D + L * (D * (2 * q + 2 * kv + 3 * F) + 2 * D + 2 * dcfg.head_dim) + 2 * D  # drafter parameters
+    P += 2 * V * dcfg.markov_rank  # its Markov head
     R, C = B * N * K, B * S  # block rows, context positions
     layers, embedding = _target_params(target_config, max(dcfg.target_layer_ids) + 1)
     T = targets_per_node if cfg.target_shard == "fsdp" else 1

@@ -48,6 +48,7 @@ class Config:
     mask_token: str = ""  # mask token string or id; "" = tokenizer's mask token, else first free embedding row
     sliding_layers: int = 4  # the first n drafter layers use sliding-window attention, the rest full
     sliding_window: int = 2048  # tokens, for sliding layers
+    markov_rank: int = 0  # > 0: DSpark's low-rank Markov head of this rank on the drafter (model.MarkovHead)
     init_drafter: str = ""  # start from this released-format drafter instead of a random init
     # data
     data: str = "train.jsonl"  # conversations, JSONL or JSON array (OpenAI messages or ShareGPT)
@@ -341,7 +342,7 @@ def parse_config(argv):
     if unknown:
         raise SystemExit(f"unknown config field(s) {unknown}; fields: {sorted(types)}")
     shape = sorted(set(kv) & {"block_size", "drafter_layers", "mask_token", "sliding_layers", "sliding_window",
-                              "target_features"})
+                              "target_features", "markov_rank"})
     if "init_drafter" in kv and shape:
         raise SystemExit(f"--init_drafter takes the drafter's shape from its config.json: drop --{', --'.join(shape)}")
     base = {}
@@ -413,6 +414,7 @@ RULES = SHAPE + [
     ("dtype", lambda c, t: c.dtype in ("bfloat16", "float32"), "must be bfloat16 or float32"),
     ("loss_weighting", lambda c, t: c.loss_weighting in ("decay", "dpace"), "must be decay or dpace"),
     *_each(["dpace_alpha"], lambda x: 0 < x <= 1, "must be in (0, 1]"),
+    *_each(["markov_rank"], lambda x: 0 <= x <= 4096, "must be in [0, 4096] (0: no Markov head)"),
     ("target_shard", lambda c, t: c.target_shard in ("fsdp", "replicate"), "must be fsdp or replicate"),
     ("device", lambda c, t: c.device in ("auto", "cpu") or (c.device == "cuda" and torch.cuda.is_available()),
      "must be auto, cpu or cuda (cuda only where CUDA is available)"),
@@ -532,7 +534,7 @@ def drafter_cfg(cfg, target_config, tokenizer):
         target_config, tokenizer, num_layers=cfg.drafter_layers, num_target_features=cfg.target_features or None,
         block_size=cfg.block_size, mask_token=mask,
         layer_types=["sliding_attention"] * n + ["full_attention"] * (cfg.drafter_layers - n),
-        sliding_window=cfg.sliding_window if n else None)
+        sliding_window=cfg.sliding_window if n else None, markov_rank=cfg.markov_rank)
 
 
 def load_data(cfg, d, tokenizer, mask_id):

@@ -34,10 +34,10 @@ def tiny_target(arch="llama", seed=0):
     return LlamaForCausalLM(LlamaConfig(**kw)).eval()
 
 
-def tiny_drafter(target, block_size=16, seed=1):
+def tiny_drafter(target, block_size=16, seed=1, markov_rank=0):
     torch.manual_seed(seed)
     cfg = drafter_config_from_target(target.config, None, num_layers=2, mask_token=MASK, block_size=block_size,
-                                     target_layer_ids=[1, 2])  # the released rule needs >= 4 ids apart; 4 layers
+                                     target_layer_ids=[1, 2], markov_rank=markov_rank)  # 4 layers: ids set here
     return DFlashDrafter(cfg).eval()
 
 
@@ -83,6 +83,33 @@ def test_lossless_random_drafter(arch):
         assert len(res["accept_hist"]) == K and sum(res["accept_hist"]) == res["cycles"]
         if K == 1:
             assert res["tau"] == 1.0 and res["pos_accept"] == []
+
+
+def test_markov_head_drafts_left_to_right_and_stays_lossless(llama):
+    """A drafter with a Markov head drafts offset k from its backbone logits plus the head's bias of the token it
+    drafted at k-1 (the anchor before offset 1), written out here; greedy decoding with it is lossless in fp32."""
+    target, _ = llama
+    drafter = tiny_drafter(target, block_size=8, markov_rank=4)
+    with torch.no_grad():  # a head that matters: a large bias, so a wrong previous token changes the argmax
+        for w in drafter.markov_head.parameters():
+            w.normal_(0, 3.0)
+    p = prompts()[2]
+    with torch.inference_mode():
+        out = target(input_ids=torch.tensor([p]), output_hidden_states=True)
+        hidden = ev.features(out.hidden_states, drafter.cfg.target_layer_ids)
+        block = torch.full((1, 8), MASK)
+        block[0, 0] = p[-1]
+        toks, _ = ev.draft(drafter, target, block, hidden[:, :-1], None, len(p) - 1, 0.0, None)
+        h, _ = drafter.forward_cached(torch.nn.functional.embedding(block, target.get_input_embeddings().weight),
+                                      hidden[:, :-1], None, len(p) - 1)
+        logits, prev, want = target.get_output_embeddings()(h[0, 1:]), p[-1], []
+        for k in range(7):
+            want.append(int((logits[k] + drafter.markov_head(torch.tensor(prev))).argmax()))
+            prev = want[-1]
+        assert toks[0].tolist() == want
+        assert want != logits.argmax(-1).tolist()  # the head changed the drafts
+    res = ev.evaluate(target, None, drafter, prompts(), MAX_NEW, eos_ids=[EOS], warmup=False)
+    assert res["lossless"] is True
 
 
 def test_eos_inside_block(llama):

@@ -1,5 +1,6 @@
 """The drafter: train/inference parity, the objective by hand, checkpoint format, and that it can learn."""
 
+import dataclasses
 import json
 import math
 
@@ -137,6 +138,33 @@ def test_dpace_loss_matches_direct_formula(chunk):
     assert r["weight_sum"] == keep.sum() and valid.sum() > 10
     for a, p in zip(fused, drafter.parameters()):
         torch.testing.assert_close(a, p.grad, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_markov_head_loss_and_gradients_match_autograd(chunk):
+    """A Markov head of rank 8: loss_sum = sum_k w_k CE(lm_head(h_k) + w2(w1[true token k-1])), the anchor being
+    offset 1's previous token; every gradient, the head's included, equals autograd's through unfused logits."""
+    drafter, embed, head, ids, lm, hidden, anchors, keep = _loss_setup(5)
+    torch.manual_seed(5)
+    drafter = DFlashDrafter(dataclasses.replace(drafter.cfg, markov_rank=8))
+    cfg, K = drafter.cfg, drafter.cfg.block_size
+    r = dflash_loss(drafter, embed, head, ids, lm, hidden, anchors, keep, gamma=7.0, chunk_blocks=chunk)
+    r["loss_sum"].backward()
+    fused = {n: p.grad.clone() for n, p in drafter.named_parameters()}
+    drafter.zero_grad()
+    x, pos, _ = blocks_input(cfg, embed, ids, anchors, keep)
+    out = drafter(x, hidden, pos, build_masks(anchors, keep, 30, K, cfg.layer_types, 6, "sdpa"))
+    labels, valid, w = block_labels(ids, lm, anchors, keep, K, 7.0)
+    prev = torch.tensor([[[int(ids[b, min(int(a) + max(k - 1, 0), 29)]) for k in range(K)] for a in anchors[b]]
+                         for b in range(2)])  # written out: the token at anchor + k - 1
+    logits = out.reshape(-1, D) @ head.t() + drafter.markov_head.markov_w2(drafter.markov_head.markov_w1(prev)).view(
+        -1, V)
+    ref = (F.cross_entropy(logits, labels.reshape(-1), reduction="none") * w.reshape(-1)).sum()
+    ref.backward()
+    torch.testing.assert_close(r["loss_sum"], ref.detach(), atol=1e-4, rtol=1e-5)
+    for n, p in drafter.named_parameters():
+        torch.testing.assert_close(fused[n], p.grad, atol=1e-5, rtol=1e-4)
+    assert fused["markov_head.markov_w1.weight"].abs().sum() > 0 and fused["markov_head.markov_w2.weight"].abs().sum() > 0
 
 
 def test_sample_anchors():
@@ -403,6 +431,26 @@ ENGINE_FIELDS = {
 LAYER_WEIGHTS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
                  "self_attn.k_norm", "input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
                  "mlp.down_proj"]
+
+
+def test_markov_checkpoint_is_a_dspark_drafter_as_vllm_reads_it(tmp_path):
+    """With a Markov head: vLLM's DSpark loader (method "dspark", found by the architecture Qwen3DSparkModel) reads
+    markov_rank, the head's type, no confidence head, sample_from_anchor (false: our offset 0 holds the anchor), and
+    the flat weight names markov_head.markov_w1/markov_w2, both [V, r]; load_drafter gives the same drafter back."""
+    cfg = dataclasses.replace(tiny_cfg(), markov_rank=8)
+    drafter = DFlashDrafter(cfg)
+    save_drafter(drafter, tmp_path, dtype=None)
+    c = json.loads((tmp_path / "config.json").read_text())
+    assert c["architectures"] == ["Qwen3DSparkModel"] and c["markov_rank"] == 8 and c["sample_from_anchor"] is False
+    assert c["markov_head_type"] == "vanilla" and c["enable_confidence_head"] is False
+    assert c["mask_token_id"] == c["dflash_config"]["mask_token_id"] == 7 and c["target_layer_ids"] == [1, 3, 5]
+    from safetensors import safe_open
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys() if k.startswith("markov")}
+    assert shapes == {"markov_head.markov_w1.weight": [V, 8], "markov_head.markov_w2.weight": [V, 8]}
+    back = load_drafter(tmp_path)
+    assert back.cfg == cfg and all(torch.equal(a, b) for a, b in zip(back.state_dict().values(),
+                                                                      drafter.state_dict().values()))
 
 
 @pytest.mark.parametrize("engine", sorted(ENGINE_FIELDS))

@@ -268,6 +268,7 @@ INVALID = [
     ("loss weighting", dict(loss_weighting="pace"), "loss_weighting"),
     ("dpace alpha 0", dict(dpace_alpha=0.0), "dpace_alpha"),
     ("dpace alpha nan", dict(dpace_alpha=float("nan")), "dpace_alpha"),
+    ("markov rank negative", dict(markov_rank=-1), "markov_rank"),
     ("lr", dict(lr=-1e-3), "lr"),
     ("lr nan", dict(lr=float("nan")), "lr"),
     ("warmup", dict(warmup_ratio=1.0), "warmup_ratio"),

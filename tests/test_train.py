@@ -130,6 +130,20 @@ def test_dpace_normalization_is_split_invariant(tiny_target, convs, tmp_path):
     assert runs[1]["loss"] != pytest.approx(runs[0]["loss"], rel=1e-3)
 
 
+def test_markov_head_trains_through_train_py(tiny_target, convs, tmp_path):
+    """--markov_rank=8 under torchrun (2 targets + 1 drafter): the run ends, its checkpoint is a DSpark drafter that
+    loads with the head, the head's weights moved from their init, and the loss fell."""
+    from model import load_drafter
+    p, _ = run_train(tiny_target, convs, tmp_path, 3, "--max_steps=6", "--markov_rank=8", "--target_ranks=2",
+                     "--drafter_ranks=1", "--lr=3e-3")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    init, last = (load_drafter(tmp_path / "r" / n) for n in ("init", "ckpt-0000006"))
+    assert last.cfg.markov_rank == 8 and init.cfg == last.cfg
+    assert not torch.equal(init.markov_head.markov_w1.weight, last.markov_head.markov_w1.weight)
+    rows = metrics(tmp_path)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
 def test_resume_is_exact(tiny_target, convs, tmp_path):
     p, _ = run_train(tiny_target, convs, tmp_path / "a", 1, "--max_steps=6", "--batch_size=2")
     assert p.returncode == 0, p.stderr[-3000:]
