@@ -95,3 +95,31 @@ def test_train_colocated_cuda_compiled_layers(tiny_target, convs, tmp_path):
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert all(r["recompiles"] == 0 for r in rows), [r["recompiles"] for r in rows]
     assert "RECOMPILES" not in p.stdout
+
+
+@cuda
+@pytest.mark.parametrize("weighting,markov_rank", [("dpace", 0), ("decay", 16), ("dpace", 16)])
+def test_loss_variants_on_cuda_equal_cpu(weighting, markov_rank):
+    """D-PACE weights and the Markov head inside the compiled fused CE on CUDA give the CPU loss and gradients
+    (fp32 weights, chunked). Fresh compile caches: earlier tests' graphs count toward the recompile limit."""
+    torch._dynamo.reset()
+    configure_compile()
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=64, vocab_size=1000, block_size=16, mask_token_id=999,
+                        target_layer_ids=[1, 3], num_target_layers=4, markov_rank=markov_rank)
+    cpu = DFlashDrafter(cfg)
+    gpu = DFlashDrafter(cfg).cuda()
+    gpu.load_state_dict(cpu.state_dict())
+    ids, lm, hidden = torch.randint(0, 999, (2, 256)), torch.ones(2, 256), torch.randn(2, 256, 512)
+    embed, head = (torch.randn(1000, 256) * 0.05 for _ in "eh")
+    anchors, keep = sample_anchors(lm, 32, torch.Generator().manual_seed(0))
+    out = []
+    for d, dev, backend in ((cpu, "cpu", "sdpa"), (gpu, "cuda", "flex")):
+        args = [t.to(dev) for t in (embed, head, ids, lm, hidden, anchors, keep)]
+        r = dflash_loss(d, *args, backend=backend, chunk_blocks=8, weighting=weighting)
+        r["loss_sum"].backward()
+        out.append((r["loss_sum"].item(), r["weight_sum"].item(), [p.grad.cpu() for p in d.parameters()]))
+    assert out[1][0] == pytest.approx(out[0][0], rel=1e-4) and out[1][1] == pytest.approx(out[0][1], rel=1e-5)
+    for a, b in zip(out[0][2], out[1][2]):
+        torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-2)
