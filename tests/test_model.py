@@ -106,21 +106,36 @@ def test_dpace_weights_by_hand():
     torch.testing.assert_close(dpace_weights(ce, valid, 4, 1.0).view(2, 4)[0], torch.tensor([0, 3.0, 2, 1]))
 
 
+def _fused_and_forward(drafter, embed, head, ids, lm, hidden, anchors, keep, **loss_kw):
+    """dflash_loss and its gradients by name, then (gradients zeroed) the plain training forward of the same blocks
+    with their labels, for a reference written out in autograd -> (result, gradients, out [B,N*K,D], labels, valid,
+    decay weights)."""
+    cfg, K = drafter.cfg, drafter.cfg.block_size
+    r = dflash_loss(drafter, embed, head, ids, lm, hidden, anchors, keep, **loss_kw)
+    r["loss_sum"].backward()
+    fused = {n: p.grad.clone() for n, p in drafter.named_parameters()}
+    drafter.zero_grad()
+    x, pos, _ = blocks_input(cfg, embed, ids, anchors, keep)
+    out = drafter(x, hidden, pos, build_masks(anchors, keep, 30, K, cfg.layer_types, 6, "sdpa"))
+    return (r, fused, out, *block_labels(ids, lm, anchors, keep, K, loss_kw.get("gamma", 7.0)))
+
+
+def _same_loss_and_gradients(drafter, r, fused, ref):
+    ref.backward()
+    torch.testing.assert_close(r["loss_sum"], ref.detach(), atol=1e-4, rtol=1e-5)
+    for n, p in drafter.named_parameters():
+        torch.testing.assert_close(fused[n], p.grad, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("chunk", [0, 2])
 def test_dpace_loss_matches_direct_formula(chunk):
     """weighting="dpace": loss_sum = sum over supervised offsets of w_k * CE_k, w from each block's detached
     confidences (written out here), gradients those of that sum with w held constant, weight_sum = kept blocks;
     the same in chunks of blocks."""
     drafter, embed, head, ids, lm, hidden, anchors, keep = _loss_setup(2)
-    cfg, K = drafter.cfg, drafter.cfg.block_size
-    r = dflash_loss(drafter, embed, head, ids, lm, hidden, anchors, keep, chunk_blocks=chunk, weighting="dpace",
-                    alpha=0.3)
-    r["loss_sum"].backward()
-    fused = [p.grad.clone() for p in drafter.parameters()]
-    drafter.zero_grad()
-    x, pos, _ = blocks_input(cfg, embed, ids, anchors, keep)
-    out = drafter(x, hidden, pos, build_masks(anchors, keep, 30, K, cfg.layer_types, 6, "sdpa"))
-    labels, valid, _ = block_labels(ids, lm, anchors, keep, K, 7.0)
+    K = drafter.cfg.block_size
+    r, fused, out, labels, valid, _ = _fused_and_forward(drafter, embed, head, ids, lm, hidden, anchors, keep,
+                                                         chunk_blocks=chunk, weighting="dpace", alpha=0.3)
     ce = F.cross_entropy(out.reshape(-1, D) @ head.t(), labels.reshape(-1), reduction="none").view(2, -1, K)
     q = torch.exp(-ce.detach())
     ref = 0.0
@@ -133,11 +148,8 @@ def test_dpace_loss_matches_direct_formula(chunk):
             for k in range(K):
                 if valid[b, n, k]:
                     ref = ref + sum(prefix[k:]) * ce[b, n, k]
-    ref.backward()
-    torch.testing.assert_close(r["loss_sum"], ref.detach(), atol=1e-4, rtol=1e-5)
     assert r["weight_sum"] == keep.sum() and valid.sum() > 10
-    for a, p in zip(fused, drafter.parameters()):
-        torch.testing.assert_close(a, p.grad, atol=1e-5, rtol=1e-4)
+    _same_loss_and_gradients(drafter, r, fused, ref)
 
 
 @pytest.mark.parametrize("chunk", [0, 3])
@@ -147,24 +159,16 @@ def test_markov_head_loss_and_gradients_match_autograd(chunk):
     drafter, embed, head, ids, lm, hidden, anchors, keep = _loss_setup(5)
     torch.manual_seed(5)
     drafter = DFlashDrafter(dataclasses.replace(drafter.cfg, markov_rank=8))
-    cfg, K = drafter.cfg, drafter.cfg.block_size
-    r = dflash_loss(drafter, embed, head, ids, lm, hidden, anchors, keep, gamma=7.0, chunk_blocks=chunk)
-    r["loss_sum"].backward()
-    fused = {n: p.grad.clone() for n, p in drafter.named_parameters()}
-    drafter.zero_grad()
-    x, pos, _ = blocks_input(cfg, embed, ids, anchors, keep)
-    out = drafter(x, hidden, pos, build_masks(anchors, keep, 30, K, cfg.layer_types, 6, "sdpa"))
-    labels, valid, w = block_labels(ids, lm, anchors, keep, K, 7.0)
+    K = drafter.cfg.block_size
+    r, fused, out, labels, _, w = _fused_and_forward(drafter, embed, head, ids, lm, hidden, anchors, keep,
+                                                     gamma=7.0, chunk_blocks=chunk)
     prev = torch.tensor([[[int(ids[b, min(int(a) + max(k - 1, 0), 29)]) for k in range(K)] for a in anchors[b]]
                          for b in range(2)])  # written out: the token at anchor + k - 1
-    logits = out.reshape(-1, D) @ head.t() + drafter.markov_head.markov_w2(drafter.markov_head.markov_w1(prev)).view(
-        -1, V)
-    ref = (F.cross_entropy(logits, labels.reshape(-1), reduction="none") * w.reshape(-1)).sum()
-    ref.backward()
-    torch.testing.assert_close(r["loss_sum"], ref.detach(), atol=1e-4, rtol=1e-5)
-    for n, p in drafter.named_parameters():
-        torch.testing.assert_close(fused[n], p.grad, atol=1e-5, rtol=1e-4)
-    assert fused["markov_head.markov_w1.weight"].abs().sum() > 0 and fused["markov_head.markov_w2.weight"].abs().sum() > 0
+    bias = drafter.markov_head.markov_w2(drafter.markov_head.markov_w1(prev)).view(-1, V)
+    logits = out.reshape(-1, D) @ head.t() + bias
+    _same_loss_and_gradients(drafter, r, fused, (F.cross_entropy(logits, labels.reshape(-1), reduction="none")
+                                                 * w.reshape(-1)).sum())
+    assert all(fused[f"markov_head.markov_w{i}.weight"].abs().sum() > 0 for i in (1, 2))
 
 
 def test_sample_anchors():
@@ -225,19 +229,10 @@ def test_fused_head_ce_gradients_match_autograd():
     """HeadCE (gradient computed in the forward pass) vs plain autograd through unchunked logits and
     F.cross_entropy: same loss and same gradients for every drafter parameter."""
     drafter, embed, head, ids, lm, hidden, anchors, keep = _loss_setup(4)
-    cfg, K = drafter.cfg, drafter.cfg.block_size
-    r = dflash_loss(drafter, embed, head, ids, lm, hidden, anchors, keep, gamma=7.0, chunk_blocks=3)
-    r["loss_sum"].backward()
-    fused = [p.grad.clone() for p in drafter.parameters()]
-    drafter.zero_grad()
-    x, pos, _ = blocks_input(cfg, embed, ids, anchors, keep)
-    out = drafter(x, hidden, pos, build_masks(anchors, keep, 30, K, cfg.layer_types, 6, "sdpa"))
-    labels, valid, w = block_labels(ids, lm, anchors, keep, K, 7.0)
-    ref = (F.cross_entropy(out.reshape(-1, D) @ head.t(), labels.reshape(-1), reduction="none") * w.reshape(-1)).sum()
-    ref.backward()
-    torch.testing.assert_close(r["loss_sum"], ref.detach(), atol=1e-4, rtol=1e-5)
-    for a, p in zip(fused, drafter.parameters()):
-        torch.testing.assert_close(a, p.grad, atol=1e-5, rtol=1e-4)
+    r, fused, out, labels, _, w = _fused_and_forward(drafter, embed, head, ids, lm, hidden, anchors, keep,
+                                                     gamma=7.0, chunk_blocks=3)
+    _same_loss_and_gradients(drafter, r, fused, (F.cross_entropy(out.reshape(-1, D) @ head.t(), labels.reshape(-1),
+                                                                 reduction="none") * w.reshape(-1)).sum())
 
 
 def test_loss_matches_direct_formula():
