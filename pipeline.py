@@ -140,10 +140,12 @@ def report_failure(msg, when=None):
     failure with the smallest timestamp `when` (default: now), ties going to the rank whose exit it saw first.
     Without torchrun: nothing."""
     path = torchrun_env().error_file
-    if path:
-        with open(path, "w") as f:
+    if path:  # written aside, then renamed: the launcher never reads half a file (a SIGTERM may land mid-write)
+        tmp = f"{path}.{time.monotonic_ns()}.tmp"
+        with open(tmp, "w") as f:
             json.dump({"message": {"message": msg.splitlines()[0], "extraInfo": {
                 "py_callstack": msg, "timestamp": str(int(time.time() if when is None else when))}}}, f)
+        os.replace(tmp, path)
 
 
 def watch_for_death(rank, role):
