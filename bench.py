@@ -125,8 +125,9 @@ def optimizer_ms(drafter):
 def bench_drafter(args):
     configure_compile()
     torch.manual_seed(0)
-    case = f"drafter {args.preset}" + " eager layers" * args.eager
-    cfg, row = DrafterConfig(**PRESETS[args.preset]), table(case)
+    case = f"drafter {args.preset}" + " eager layers" * args.eager + f" Markov head r={args.markov_rank}" * (
+        args.markov_rank > 0)
+    cfg, row = DrafterConfig(**PRESETS[args.preset], markov_rank=args.markov_rank), table(case)
     drafter = DFlashDrafter(cfg).to("cuda", torch.bfloat16)
     drafter.compile_layers = not args.eager
     V, D, K, W, Q = cfg.vocab_size, cfg.hidden_size, cfg.block_size, cfg.sliding_window, args.anchors * cfg.block_size
@@ -419,7 +420,8 @@ def main(argv=None):
     ap.add_argument("--seq", default="4096", help="drafter: comma-separated sequence lengths")
     for flag, default, help in (("--seq_e2e", 3072, None), ("--anchors", 512, None), ("--iters", 8, None),
                                 ("--chunk", 64, "objective chunk, in blocks"), ("--new_tokens", 128, "decode: new tokens"),
-                                ("--case-timeout", 300, "all: seconds per case")):
+                                ("--case-timeout", 300, "all: seconds per case"),
+                                ("--markov_rank", 0, "drafter: a Markov head of this rank")):
         ap.add_argument(flag, type=int, default=default, help=help)
     for flag, help in (("--eager", "drafter: layers uncompiled (the 'before')"), ("--breakdown", "drafter"),
                        ("--profile", "drafter"), ("--no-fla", "27b: transformers' torch fallback kernels")):
