@@ -56,6 +56,15 @@ def test_lr_schedule():
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
 
 
+def test_schedule_is_lazy_up_to_the_largest_max_steps():
+    """The per-rank schedule is a generator: max_steps at its limit costs no memory up front (a list would not fit)."""
+    from types import SimpleNamespace
+    from pipeline import drafter_schedule
+    d = SimpleNamespace(drafters=[1, 2, 3], rank=2)  # the second of 3 drafter ranks, 2 micro-batches each per step
+    it = drafter_schedule(d, 2, 5, train.MAX_STEPS)
+    assert [next(it) for _ in range(4)] == [31, 34, 37, 40]  # steps 5, 6: 6 micro-batches a step, every 3rd from 1
+
+
 def _capture_check(rank, world, port, tiny_target, ids, ref, shard):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     cfg = train.Config(target=str(tiny_target), device="cpu", target_ranks=world - 1, drafter_ranks=1,
