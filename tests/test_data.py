@@ -600,18 +600,20 @@ def test_prepare_demo_with_samples(tmp_path, target_dir):
 
 def test_demo_settings(monkeypatch, tmp_path):
     """One place for the demo: the target:drafter split follows the processes torchrun starts (CPU: all but one
-    hold the target; GPUs: one does), paths are under the cache, eval's workers are half the cores, at most 8."""
+    hold the target; GPUs: one does), paths are under the cache, eval's workers are half the cores, at most 8 (CPU:
+    one per core, at most 2)."""
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
     split = lambda dev, world: tuple(data.demo_settings(dev, world)["train"][k]
                                      for k in ("target_ranks", "drafter_ranks"))
     assert [split("cpu", w) for w in (1, 3)] == [(1, 1), (2, 1)]
     assert [split(dev, w) for dev in ("cuda", "cuda:0") for w in (1, 4)] == [(1, 1), (1, 3)] * 2
     s = data.demo_settings("cpu")
-    assert s["train"]["target"] == str(tmp_path / "smollm2-135m-instruct") and s["eval"]["workers"] == 1
-    assert s["train"]["data"] == str(tmp_path / "chitchat_train.jsonl") and s["corpus"]["samples"] == 0
-    for cores, workers in ((1, 1), (6, 3), (64, 8)):
+    assert s["train"]["target"] == str(tmp_path / "smollm2-135m-instruct") and s["corpus"]["samples"] == 0
+    assert s["train"]["data"] == str(tmp_path / "chitchat_train.jsonl")
+    for cores, workers, cpu_workers in ((1, 1, 1), (2, 1, 2), (6, 3, 2), (64, 8, 2)):  # CPU: a worker per core, <= 2
         monkeypatch.setattr(os, "cpu_count", lambda: cores)
         assert data.demo_settings("cuda")["eval"] == dict(limit=64, max_new_tokens=256, workers=workers)
+        assert data.demo_settings("cpu")["eval"]["workers"] == cpu_workers
 
 
 def test_cli_tokenize(tmp_path, capsys, target_dir):
