@@ -32,10 +32,8 @@ TILE = 128  # flex_attention's default BlockMask granularity (rows and columns)
 # cuDNN and 42-47 ms without (random SmolLM2-shaped target, BENCHMARKS.md). CPU and fp32 never pick cuDNN.
 NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH, SDPBackend.OVERRIDEABLE]
 
-# -----------------------------------------------------------------------------
-# the rule
 
-
+# ----------------------------------------------------------------------------- the rule
 def dflash_mask_mod(anchors_BN, keep_BN, S, K, window=None):
     """Mask rule as a flex `mask_mod(b, h, q_idx, kv_idx) -> bool`. Also works on broadcast aranges.
     S is a 0-d integer tensor (or int): as a tensor it is an input of the compiled kernel, not a constant,
@@ -68,10 +66,7 @@ def dense_mask(anchors_BN, keep_BN, S, K, window=None):
     return mask_mod(b, 0, q, kv)
 
 
-# -----------------------------------------------------------------------------
-# BlockMask from the anchors, without evaluating the rule per element
-
-
+# -------------------------------------------------- BlockMask from the anchors, without evaluating the rule per element
 def _row_intervals(anchors_BN, keep_BN, S, K, window, Q_pad):
     """Every query row's allowed keys are two intervals, [ctx_lo, ctx_hi) and [blk_lo, blk_hi).
     Returns four int64 tensors [B, Q_pad]; empty intervals (padding blocks) are [0, 0)."""
@@ -163,9 +158,7 @@ def build_masks(anchors_BN, keep_BN, S, K, layer_types, window, backend):
             for t in set(layer_types)}
 
 
-# -----------------------------------------------------------------------------
-# executors
-
+# ----------------------------------------------------------------------------- executors
 # The compiled flex kernel, once per process (torchrun gives every GPU its own process, so no compiled code is
 # ever shared between threads). Lazy: nothing compiles until the first call.
 flex_compiled = torch.compile(flex_attention)

@@ -22,10 +22,8 @@ import torch
 
 from model import save_drafter
 
-# -----------------------------------------------------------------------------
-# the run directory
 
-
+# ----------------------------------------------------------------------------- the run directory
 def write_run_info(run_dir, cfg, d, dcfg):
     import transformers
     os.makedirs(run_dir, exist_ok=True)
@@ -82,10 +80,7 @@ def write_done(run_dir, total, bad_steps, streak, last_good):
           f"; checkpoints in {run_dir}", flush=True)
 
 
-# -----------------------------------------------------------------------------
-# checkpoints: ckpt-<step>/ = the released-format drafter + train_state.pt (fp32 masters, optimizer state, step)
-
-
+# -------- checkpoints: ckpt-<step>/ = the released-format drafter + train_state.pt (fp32 masters, optimizer state, step)
 def list_ckpts(run_dir):
     """Complete checkpoints, oldest first: exactly ckpt-<7 digits>. A .tmp is a write in progress (or killed),
     a .old one being replaced or pruned; neither is ever resumed from."""
@@ -195,10 +190,8 @@ def lock_run_dir(run_dir):
     f.flush()
     return f
 
-# -----------------------------------------------------------------------------
-# logs: one human line and one metrics.jsonl record per log step, curves.png at each checkpoint
 
-
+# ------------------------ logs: one human line and one metrics.jsonl record per log step, curves.png at each checkpoint
 def log_line(d, run_dir, step, total, s, gnorm, lr, dt, recompiles, bad_steps=0, eta_s=0.0):
     s = {k: (v.item() if v.numel() == 1 else v) for k, v in s.items()}
     correct, count = s["correct_K"], s["count_K"]

@@ -24,10 +24,8 @@ import torch.nn.functional as F
 
 from attention import attend, build_masks
 
-# -----------------------------------------------------------------------------
-# helpers: RMSNorm and rotary embedding, both as Qwen3/HF compute them
 
-
+# ------------------------------------------------- helpers: RMSNorm and rotary embedding, both as Qwen3/HF compute them
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -75,10 +73,7 @@ def apply_rope(x_BHTd, cos_BTd, sin_BTd):
     return x_BHTd * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-# -----------------------------------------------------------------------------
-# attention with KV injection, MLP, decoder layer
-
-
+# ---------------------------------------------------------------------- attention with KV injection, MLP, decoder layer
 class DFlashAttention(nn.Module):
     def __init__(self, cfg, layer_type):
         super().__init__()
@@ -170,10 +165,8 @@ def _layer_call(layer, x, ctx, cos, sin, mask):
 # the sequence length turns dynamic. Flex attention is traced inside the same graph.
 _layer_compiled = torch.compile(_layer_call)
 
-# -----------------------------------------------------------------------------
-# config: exactly what the released config.json holds (the fields the authors' code, vLLM and SGLang read)
 
-
+# ------------- config: exactly what the released config.json holds (the fields the authors' code, vLLM and SGLang read)
 @dataclass
 class DrafterConfig:
     hidden_size: int = 576
@@ -334,10 +327,7 @@ def drafter_config_from_target(target_config, tokenizer=None, num_layers=5, num_
     return DrafterConfig(**cfg)
 
 
-# -----------------------------------------------------------------------------
-# the drafter
-
-
+# ----------------------------------------------------------------------------- the drafter
 class MarkovHead(nn.Module):
     """DSpark's sequential correction (deepseek-ai/DeepSpec): block offset k's logits get a low-rank bias from the
     token before it, logits_k = lm_head(h_k) + markov_w2(markov_w1[token_{k-1}]). Training feeds the true previous
@@ -423,10 +413,7 @@ class DFlashDrafter(nn.Module):
         return self.norm(h), new_cache
 
 
-# -----------------------------------------------------------------------------
-# checkpoint: config.json + model.safetensors, flat released key names
-
-
+# ------------------------------------------------- checkpoint: config.json + model.safetensors, flat released key names
 def save_drafter(drafter, out_dir, dtype=torch.bfloat16):
     """Write a released-format checkpoint. dtype=None keeps the parameters' dtype (exact round trip)."""
     from safetensors.torch import save_file
@@ -463,10 +450,7 @@ def load_drafter(ckpt_dir, device="cpu", dtype=None):
     return drafter
 
 
-# -----------------------------------------------------------------------------
-# training objective (paper §4.2, Eq. 4)
-
-
+# ----------------------------------------------------------------------------- training objective (paper §4.2, Eq. 4)
 def sample_anchors(loss_mask_BS, num_anchors, generator=None):
     """Uniform without replacement among positions p with loss_mask[p] and loss_mask[p+1] (the anchor is a
     response token and its first label is supervised), sorted ascending, padded to exactly num_anchors with

@@ -25,10 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# -----------------------------------------------------------------------------
-# processes, roles and groups
 
-
+# ----------------------------------------------------------------------------- processes, roles and groups
 TorchrunEnv = namedtuple("TorchrunEnv", "rank world local_rank local_world run_id error_file")
 
 
@@ -196,9 +194,8 @@ def placement_table(world, local_world, cfg):
                      "stay inside each node)")
     return "\n".join(lines)
 
-# -----------------------------------------------------------------------------
-# memory per GPU, from the configs alone (the start-up check and its printout)
 
+# ----------------------------------------- memory per GPU, from the configs alone (the start-up check and its printout)
 GiB = 2 ** 30
 USABLE = 0.95  # of a device: the CUDA context or the interpreter, and the allocator's fragmentation, take the rest
 
@@ -288,10 +285,7 @@ def memory_check(cfg, dcfg, target_config, world, device_gib=None):
                    for r, x in over.items()]
 
 
-# -----------------------------------------------------------------------------
-# building and loading
-
-
+# ----------------------------------------------------------------------------- building and loading
 class Weights:
     """Tensors of an HF checkpoint folder, read one at a time (never the whole model in host memory)."""
 
@@ -397,10 +391,8 @@ class Capture:
         self.out.clear()
         return h
 
-# -----------------------------------------------------------------------------
-# the static schedule
 
-
+# ----------------------------------------------------------------------------- the static schedule
 def per_step(n_drafters, grad_accum):
     """Micro-batches per optimizer step, over all drafter ranks."""
     return n_drafters * grad_accum
@@ -437,10 +429,8 @@ def batch_at(batcher, m):
     batcher.epoch, batcher.step = divmod(m, batcher.steps_per_epoch)
     return next(batcher)
 
-# -----------------------------------------------------------------------------
-# the transfer: target rank -> drafter rank, point-to-point on the transport group
 
-
+# ------------------------------------- the transfer: target rank -> drafter rank, point-to-point on the transport group
 def _header(batch, m, fwd_s, B):
     """Fixed-size int64 header, so the receiver can allocate: [m, B, S, forward microseconds, lengths x B]."""
     ids = batch["input_ids"]

@@ -93,10 +93,7 @@ class Config:
     plan: str = ""  # "NODESxGPUS[:GiB]", e.g. "1x8:80": print the placement and memory plan and exit (no GPU)
 
 
-# -----------------------------------------------------------------------------
-# the schedule and the optimizer
-
-
+# ----------------------------------------------------------------------------- the schedule and the optimizer
 def lr_at(cfg, step, total):
     """Linear warmup from lr/W to lr over W = int(warmup_ratio * total) steps, then cosine to 0."""
     W = int(cfg.warmup_ratio * total)
@@ -166,10 +163,8 @@ class Optimizer:
                 torch._foreach_copy_(self.params, self.masters)
         self.opt.load_state_dict(state["optimizer"])
 
-# -----------------------------------------------------------------------------
-# training
 
-
+# ----------------------------------------------------------------------------- training
 def train(cfg, d, target_config, tokenizer):
     """One run on this rank: the data, then its role (the target's forward loop, the drafter's training, or both)."""
     dcfg = drafter_cfg(cfg, target_config, tokenizer)
