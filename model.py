@@ -205,7 +205,8 @@ class DrafterConfig:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
 
     def to_json_dict(self):
-        sliding = "sliding_attention" in self.layer_types
+        def own(*names):  # these fields as they are
+            return {n: getattr(self, n) for n in names}
         # with a Markov head the checkpoint is a DSpark drafter as vLLM (`method: "dspark"`, found by this
         # architecture) and SGLang read one: the head's rank, the vanilla head, no confidence head, and our block
         # layout (offset 0 holds the anchor and predicts nothing: sample_from_anchor false)
@@ -215,36 +216,22 @@ class DrafterConfig:
         return {
             # no auto_map: the engines register these names themselves
             "architectures": ["Qwen3DSparkModel" if self.markov_rank else "DFlashDraftModel"], **head,
-            "model_type": "qwen3",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "attention_bias": self.attention_bias,
-            "attention_dropout": 0.0,
+            "model_type": "qwen3", **own("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                         "num_key_value_heads", "head_dim"),
+            "hidden_act": "silu", **own("rms_norm_eps", "attention_bias"), "attention_dropout": 0.0,
             "initializer_range": self.initializer_range,
             # rope_theta stays top level: the authors' MLX loader reads it as a required key; vLLM reads
             # rope_parameters (transformers 5 spelling, which wins over rope_theta there): both say the same
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
+            **own("rope_theta", "rope_scaling"),
             "rope_parameters": {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta},
-            "max_position_embeddings": self.max_position_embeddings,
-            "vocab_size": self.vocab_size,
-            "tie_word_embeddings": False,
+            **own("max_position_embeddings", "vocab_size"), "tie_word_embeddings": False,
             # written explicitly: Qwen3Config would otherwise derive them from use_sliding_window/max_window_layers
-            "layer_types": list(self.layer_types),
-            "use_sliding_window": sliding,
-            "sliding_window": self.sliding_window,
-            "max_window_layers": self.num_hidden_layers,
-            "dtype": "bfloat16",
-            "torch_dtype": "bfloat16",  # transformers 4.x spelling (the authors pin 4.57.1)
+            "layer_types": list(self.layer_types), "use_sliding_window": "sliding_attention" in self.layer_types,
+            "sliding_window": self.sliding_window, "max_window_layers": self.num_hidden_layers,
+            "dtype": "bfloat16", "torch_dtype": "bfloat16",  # torch_dtype: transformers 4.x (the authors pin 4.57.1)
             "use_cache": True,
-            "block_size": self.block_size,  # the authors' loaders read it here, SGLang in dflash_config first
-            "num_target_layers": self.num_target_layers,
+            # the authors' loaders read block_size here, SGLang in dflash_config first
+            **own("block_size", "num_target_layers"),
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
                               "block_size": self.block_size},
         }
@@ -264,9 +251,7 @@ class DrafterConfig:
                   block_size=dc.get("block_size", d.get("block_size", 16)))
         if not d.get("use_sliding_window", True):
             d["sliding_window"] = None
-        for name in cls.__dataclass_fields__:
-            if name in kw:
-                continue
+        for name in [n for n in cls.__dataclass_fields__ if n not in kw]:
             if name in d:
                 kw[name] = d[name]
             elif name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -287,15 +272,13 @@ def build_target_layer_ids(num_target_layers, n):
 
 def drafter_config_from_target(target_config, tokenizer=None, num_layers=5, num_target_features=None,
                                block_size=16, mask_token=None, layer_types=None, sliding_window=None, **overrides):
-    """Derive a drafter config from any HF causal-LM config (nested text_config ok) and its tokenizer.
-    Sizes, heads, rope, vocab come from the target; target_layer_ids by the released rule (K = num_layers unless
-    num_target_features says otherwise). Mask token: an explicit `mask_token` (token string or id) wins; else the
-    tokenizer's own mask token; else the released convention, the first unused embedding row = len(tokenizer)
-    (what add_special_tokens({"mask_token": "<|MASK|>"}) would give). A target with no free row (SmolLM2) needs
+    """A drafter config from any HF causal-LM config (nested text_config ok) and its tokenizer: sizes, heads, rope,
+    vocab from the target; target_layer_ids by the released rule (K = num_layers unless num_target_features says
+    otherwise). Mask token: an explicit `mask_token` (token string or id); else the tokenizer's mask token; else the
+    released convention, the first unused embedding row = len(tokenizer). A target with no free row (SmolLM2) needs
     an explicit token that chat data never contains, e.g. "<empty_output>"."""
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    L = tc.num_hidden_layers
-    vocab = tc.vocab_size
+    L, vocab = tc.num_hidden_layers, tc.vocab_size
     if mask_token is not None:
         mask_id = tokenizer.convert_tokens_to_ids(mask_token) if isinstance(mask_token, str) else int(mask_token)
         if isinstance(mask_token, str) and (mask_id is None or mask_id == tokenizer.unk_token_id):
@@ -314,17 +297,14 @@ def drafter_config_from_target(target_config, tokenizer=None, num_layers=5, num_
         scaling = None  # mrope/partial rotary belong to the target's own attention; the drafter is plain Qwen3
     if scaling is not None:
         scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
-    cfg = dict(
-        hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_hidden_layers=num_layers,
-        num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
-        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
-        vocab_size=vocab, rms_norm_eps=tc.rms_norm_eps, rope_theta=float(theta), rope_scaling=scaling,
-        max_position_embeddings=tc.max_position_embeddings, block_size=block_size, num_target_layers=L,
-        target_layer_ids=build_target_layer_ids(L, num_target_features or num_layers), mask_token_id=mask_id,
-        layer_types=layer_types, sliding_window=sliding_window,
-    )
-    cfg.update(overrides)
-    return DrafterConfig(**cfg)
+    cfg = dict(hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_hidden_layers=num_layers,
+               num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
+               head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+               vocab_size=vocab, rms_norm_eps=tc.rms_norm_eps, rope_theta=float(theta), rope_scaling=scaling,
+               max_position_embeddings=tc.max_position_embeddings, block_size=block_size, num_target_layers=L,
+               target_layer_ids=build_target_layer_ids(L, num_target_features or num_layers), mask_token_id=mask_id,
+               layer_types=layer_types, sliding_window=sliding_window)
+    return DrafterConfig(**(cfg | overrides))
 
 
 # ----------------------------------------------------------------------------- the drafter
@@ -354,7 +334,8 @@ class DFlashDrafter(nn.Module):
         if cfg.markov_rank:
             self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank)
         # fp32 buffer, not a weight (persistent=False keeps it out of the checkpoint); see _apply below
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+                             persistent=False)
         for layer in self.layers:
             layer.self_attn.inv_freq = self.inv_freq
         self.apply(self._init_weights)
@@ -428,7 +409,8 @@ def save_drafter(drafter, out_dir, dtype=torch.bfloat16):
 
 
 def load_drafter(ckpt_dir, device="cpu", dtype=None):
-    """Load (in the saved dtype unless dtype is given) ours or any released DFlash drafter directory. Every mismatch is an error naming the key."""
+    """Load ours or any released DFlash drafter directory, in the saved dtype unless dtype is given. Every mismatch
+    is an error naming the key."""
     from safetensors.torch import load_file
     path = os.path.join(ckpt_dir, "config.json")
     with open(path) as f:
@@ -556,17 +538,13 @@ def dflash_loss(drafter, embed_VD, lm_head_VD, input_ids_BS, loss_mask_BS, hidde
     The caller divides: loss = loss_sum / (global weight_sum). weighting "decay": exp(-(k-1)/gamma), weight_sum the
     sum of weights; "dpace": dpace_weights, weight_sum the kept blocks (dividing by the D-PACE weights' own sum would
     cancel the credit they give; a count summed over all ranks and micro-batches cannot depend on the split)."""
-    cfg = drafter.cfg
+    cfg, (B, S), N, dev = drafter.cfg, input_ids_BS.shape, anchors_BN.shape[1], input_ids_BS.device
     K = cfg.block_size
-    B, S = input_ids_BS.shape
-    N = anchors_BN.shape[1]
-    dev = input_ids_BS.device
-    k = torch.arange(K, device=dev)
 
     # blocks: [anchor token, mask, ..., mask] at absolute positions anchor+k
     block_ids = torch.full((B, N, K), cfg.mask_token_id, device=dev, dtype=input_ids_BS.dtype)
     block_ids[:, :, 0] = torch.where(keep_BN, input_ids_BS.gather(1, anchors_BN), cfg.mask_token_id)
-    pos_BNK = anchors_BN[:, :, None] + k  # may run past S-1: positions only, never labels
+    pos_BNK = anchors_BN[:, :, None] + torch.arange(K, device=dev)  # may run past S-1: positions only, never labels
     x = F.embedding(block_ids.view(B, N * K), embed_VD).to(hidden_BSC.dtype)
     masks = build_masks(anchors_BN, keep_BN, S, K, cfg.layer_types, cfg.sliding_window, backend)
     out = drafter(x, hidden_BSC, pos_BNK.view(B, N * K), masks).view(B, N, K, -1)
