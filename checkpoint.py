@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
@@ -49,18 +50,14 @@ def warn_config_changes(cfg, state):
         print(f"WARNING resume: config differs from the checkpoint's: {', '.join(changed)}", flush=True)
 
 
-def open_run_dir(d, run_dir, drafter, resumed_at):
-    """The leader prepares the run directory: a fresh run saves init/ (the untrained drafter: eval's baseline) and
-    starts metrics.jsonl anew; a resumed one drops the metrics lines past its checkpoint (those steps are redone).
-    done.json goes: a run resumed past an earlier end is not done."""
+def open_run_dir(run_dir, drafter, resumed_at):
+    """The leader prepares the run directory: a fresh run saves init/ and starts metrics.jsonl anew; a resumed one
+    drops the metrics lines past its checkpoint (those steps are redone). done.json goes: a run resumed past an
+    earlier end is not done."""
     metrics = os.path.join(run_dir, "metrics.jsonl")
-    if not d.leader:
-        return
-    if os.path.exists(os.path.join(run_dir, "done.json")):
-        os.remove(os.path.join(run_dir, "done.json"))
+    Path(run_dir, "done.json").unlink(missing_ok=True)
     if resumed_at is None:
-        if os.path.exists(metrics):
-            os.remove(metrics)
+        Path(metrics).unlink(missing_ok=True)
         save_drafter(drafter, os.path.join(run_dir, "init"))
     elif os.path.exists(metrics):
         with open(metrics) as f:
@@ -80,7 +77,7 @@ def write_done(run_dir, total, bad_steps, streak, last_good):
           f"; checkpoints in {run_dir}", flush=True)
 
 
-# -------- checkpoints: ckpt-<step>/ = the released-format drafter + train_state.pt (fp32 masters, optimizer state, step)
+# ------------------ checkpoints: ckpt-<step>/ = the released-format drafter + train_state.pt (masters, optimizer, step)
 def list_ckpts(run_dir):
     """Complete checkpoints, oldest first: exactly ckpt-<7 digits>. A .tmp is a write in progress (or killed),
     a .old one being replaced or pruned; neither is ever resumed from."""
@@ -210,10 +207,10 @@ def log_line(d, run_dir, step, total, s, gnorm, lr, dt, recompiles, bad_steps=0,
     print(f"step={step}/{total} loss={rec['loss']:.4f} acc={rec['acc']:.3f} tau_est={rec['tau_est']:.2f} "
           f"lr={lr:.2e} gnorm={gnorm:.2f} tok/s={rec['tok_s']:.0f} target_busy={t_busy:.0%} "
           f"drafter_busy={d_busy:.0%} mem={mem:.1f}GB eta={datetime.timedelta(seconds=round(eta_s))} | "
-          f"capacity seq/s/GPU target={cap_t:.2f} "
-          f"drafter={cap_d:.2f}" + ("" if d.world == 1 else f" -> balanced split {balance:.1f}:{d.world - balance:.1f}")
-          + (f" RECOMPILES={recompiles}" if recompiles else "")
-          + (f" SKIPPED_STEPS={bad_steps}" if bad_steps else ""), flush=True)
+          f"capacity seq/s/GPU target={cap_t:.2f} drafter={cap_d:.2f}"
+          + ("" if d.world == 1 else f" -> balanced split {balance:.1f}:{d.world - balance:.1f}")
+          + (f" RECOMPILES={recompiles}" if recompiles else "") + (f" SKIPPED_STEPS={bad_steps}" if bad_steps else ""),
+          flush=True)
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(rec) + "\n")
 
@@ -230,16 +227,12 @@ def log_skipped(run_dir, step, total, loss, gnorm, streak, bad_steps, max_bad):
 
 
 def plot_curves(run_dir):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no global backend state, renders headless (Agg)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [r for r in map(json.loads, f) if not r.get("skipped")]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
-    for ax, key in zip(axes, ("loss", "acc", "tau_est")):
+    fig = Figure(figsize=(13, 3.5))
+    for ax, key in zip(fig.subplots(1, 3), ("loss", "acc", "tau_est")):
         ax.plot([r["step"] for r in rows], [r[key] for r in rows])
-        ax.set_title(key)
-        ax.set_xlabel("step")
+        ax.set(title=key, xlabel="step")
     fig.tight_layout()
     fig.savefig(os.path.join(run_dir, "curves.png"), dpi=100)
-    plt.close(fig)

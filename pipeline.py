@@ -81,7 +81,7 @@ class Dist:
 
 
 def setup_dist(cfg, env):
-    use_cuda = _on_gpu(cfg)
+    use_cuda = on_gpu(cfg.device)
     if use_cuda:
         torch.cuda.set_device(env.local_rank)  # before any NCCL call, or P2P can hang (batch_isend_irecv docs)
     device = torch.device("cuda", env.local_rank) if use_cuda else torch.device("cpu")
@@ -222,8 +222,8 @@ def memory_estimate(cfg, dcfg, target_config, targets_per_node, num_anchors=None
                          "activations": (L * (R * (4 * D + 3 * q + 3 * kv + 3 * F) + (C + R) * 3 * kv) + C * 2 * D) * b,
                          "LM-head chunk": min((cfg.loss_chunk or N) * K, R) * V * (2 * b + 8) + R * D * b,
                          # CPU: SDPA with a dense [B, 1, Q, KV] mask materializes the scores of every layer type
-                         "dense attention": 0 if _on_gpu(cfg) else B * (dcfg.num_attention_heads * 2 * b + 2) * N * K
-                         * (S + N * K) * len(set(dcfg.layer_types))},
+                         "dense attention": 0 if on_gpu(cfg.device) else B * (dcfg.num_attention_heads * 2 * b + 2)
+                         * N * K * (S + N * K) * len(set(dcfg.layer_types))},
              "target": {"shard": (sum(layers) + embedding) * b / T,
                         "gathered layers": 2 * max(layers) * b if T > 1 else 0,
                         "activations": C * (6 * tc.hidden_size + 3 * tc.intermediate_size) * b,
@@ -243,8 +243,8 @@ def _target_params(target_config, n, _seen={}):
     return _seen[key]
 
 
-def _on_gpu(cfg):
-    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+def on_gpu(device):  # a Config.device: auto | cuda | cpu
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
 def memory_need(cfg, dcfg, target_config, world, num_anchors=None):
@@ -272,7 +272,7 @@ def memory_check(cfg, dcfg, target_config, world, device_gib=None):
     T = max(1, cfg.target_ranks) if world > 1 else 1
     lines = [f"  {r} rank: {sum(p.values()):.1f} GiB = " + " + ".join(f"{v:.2f} {k}" for k, v in p.items() if v)
              for r, p in memory_estimate(cfg, dcfg, target_config, T).items()]
-    if device_gib is None and _on_gpu(cfg):
+    if device_gib is None and on_gpu(cfg.device):
         device_gib = torch.cuda.get_device_properties(torchrun_env().local_rank).total_memory / GiB
     elif device_gib is None:  # CPU: the processes of this node share its memory
         device_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB / torchrun_env().local_world

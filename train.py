@@ -12,7 +12,7 @@ GPU, or CPU) both roles run in that process, with no transport.
     python -m pytest -q tests/test_train.py
 
 Reading order: Config (edit the defaults, or pass --field=value), the schedule and optimizer, train() and its loop,
-main(); below the ruler the plumbing: config parsing and checks, processes and groups, checkpoints, logs.
+main(); below the ruler the plumbing: config parsing and checks, loading the data and the target.
 """
 
 import json
@@ -33,7 +33,7 @@ from checkpoint import (list_ckpts, lock_run_dir, log_line, log_skipped, open_ru
                         resume_point, save_checkpoint, warn_config_changes, write_done, write_run_info)
 from model import DFlashDrafter, DrafterConfig, dflash_loss, drafter_config_from_target, load_drafter, sample_anchors
 from pipeline import (USABLE, Capture, Colocated, Receiver, assign_roles, drafter_schedule, fill_target,
-                      frozen_tables, largest_anchors, memory_check, per_step, placement_table, reduce_stats,
+                      frozen_tables, largest_anchors, memory_check, on_gpu, per_step, placement_table, reduce_stats,
                       report_failure, role_of, run_target, setup_dist, target_decoder, teardown_dist, torchrun_env,
                       watch_for_death)
 
@@ -78,7 +78,7 @@ class Config:
     target_shard: str = "fsdp"  # fsdp | replicate (a full target copy per target rank)
     dtype: str = "bfloat16"  # bfloat16 (fp32 master weights and optimizer state) | float32
     device: str = "auto"  # auto | cuda | cpu
-    compile: bool = True  # CUDA: compile each drafter layer (flex attention inside); False = eager layers, flex compiled
+    compile: bool = True  # CUDA: compile each drafter layer (flex inside); False = eager layers, flex compiled
     prefetch: int = 2  # micro-batches a target rank may have in flight to its drafters
     transport_timeout: int = 900  # seconds before a blocked collective or transfer fails the job
     # logging
@@ -113,10 +113,7 @@ class Optimizer:
         fp32 = all(p.dtype == torch.float32 for p in self.params)
         self.masters = self.params if fp32 else [p.detach().float().requires_grad_() for p in self.params]
         self.flat = torch.zeros(sum(p.numel() for p in self.params), device=self.params[0].device)
-        self.views, off = [], 0
-        for p in self.params:
-            self.views.append(self.flat[off:off + p.numel()].view_as(p))
-            off += p.numel()
+        self.views = [v.view_as(p) for v, p in zip(self.flat.split([p.numel() for p in self.params]), self.params)]
         self.opt = torch.optim.AdamW(self.masters, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                      weight_decay=cfg.weight_decay, fused=self.flat.is_cuda)
 
@@ -206,7 +203,8 @@ def train(cfg, d, target_config, tokenizer):
                   flush=True)
     source = Colocated(batcher, capture, d.device) if d.is_target else Receiver(
         cfg, d, len(dcfg.target_layer_ids) * dcfg.hidden_size, dtype, drafter_schedule(d, cfg.grad_accum, start, total))
-    open_run_dir(d, run_dir, drafter, start if state else None)
+    if d.leader:
+        open_run_dir(run_dir, drafter, start if state else None)
     train_drafter(cfg, d, run_dir, (drafter, embed, head), optim, source, start, total, state, resume)
 
 
@@ -226,8 +224,7 @@ def accumulate(step, cfg, models, source, schedule):
                         gamma=cfg.gamma, backend="flex" if hidden.is_cuda else "sdpa", chunk_blocks=cfg.loss_chunk,
                         weighting=cfg.loss_weighting, alpha=cfg.dpace_alpha)
         r["loss_sum"].backward()
-        s = {k: r[k].detach().double().cpu() for k in ("loss_sum", "weight_sum", "tau_sum", "blocks",
-                                                         "correct_K", "count_K")}  # .cpu() synchronizes
+        s = {k: v.detach().double().cpu() for k, v in r.items()}  # .cpu() synchronizes
         s.update({k: torch.tensor(float(v), dtype=torch.float64) for k, v in (
             ("tokens", batch["lengths"].sum()), ("sequences", len(batch["lengths"])), ("target_s", target_s),
             ("drafter_s", time.perf_counter() - t0))})
@@ -318,12 +315,7 @@ def main(cfg):
         teardown_dist(d)
 
 
-
-# =============================================================================
-# plumbing: config parsing and checks, processes and groups, the run directory, checkpoints, logs
-# =============================================================================
-
-
+# ============================================================================= plumbing: config, data, target
 def parse_config(argv):
     """--field=value overrides, parsed against the field types; a preset applies first. Unknown key: error."""
     kv = {}
@@ -345,20 +337,16 @@ def parse_config(argv):
         if kv["preset"] != "demo":
             raise SystemExit(f"unknown preset {kv['preset']!r}; presets: ['demo']")
         from data import demo_settings  # the demo's corpus, training and eval settings, in one place
-        device = kv.get("device", "auto")
-        cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-        base = dict(demo_settings("cuda" if cuda else "cpu", torchrun_env().world)["train"])
+        base = dict(demo_settings("cuda" if on_gpu(kv.get("device", "auto")) else "cpu", torchrun_env().world)["train"])
     for k, v in kv.items():
-        t = types[k]
-        if t in (bool, "bool"):
-            if v.lower() not in ("1", "true", "yes", "0", "false", "no"):
-                raise SystemExit(f"--{k}={v!r}: expected true/false")
-            base[k] = v.lower() in ("1", "true", "yes")
-            continue
+        t, is_bool = types[k], types[k] in (bool, "bool")
         try:
-            base[k] = int(v) if t in (int, "int") else float(v) if t in (float, "float") else v
-        except ValueError:
-            raise SystemExit(f"--{k}={v!r}: expected {t}") from None
+            if is_bool:
+                base[k] = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}[v.lower()]
+            else:
+                base[k] = int(v) if t in (int, "int") else float(v) if t in (float, "float") else v
+        except (KeyError, ValueError):
+            raise SystemExit(f"--{k}={v!r}: expected {'true/false' if is_bool else t}") from None
     return Config(**base)
 
 
@@ -522,8 +510,7 @@ def drafter_cfg(cfg, target_config, tokenizer):
     if cfg.init_drafter:
         with open(os.path.join(cfg.init_drafter, "config.json")) as f:
             return DrafterConfig.from_json_dict(json.load(f))
-    mask = cfg.mask_token
-    mask = int(mask) if _is_id(mask) else (mask or None)
+    mask = int(cfg.mask_token) if _is_id(cfg.mask_token) else (cfg.mask_token or None)
     n = cfg.sliding_layers
     return drafter_config_from_target(
         target_config, tokenizer, num_layers=cfg.drafter_layers, num_target_features=cfg.target_features or None,
@@ -561,9 +548,8 @@ def load_target(cfg, dcfg, d):
     base = target_decoder(cfg.target, max(dcfg.target_layer_ids) + 1, getattr(torch, cfg.dtype))
     if d.target_mesh is not None:
         from torch.distributed.fsdp import fully_shard
-        for layer in base.layers:
-            fully_shard(layer, mesh=d.target_mesh, reshard_after_forward=True)
-        fully_shard(base, mesh=d.target_mesh, reshard_after_forward=True)
+        for module in [*base.layers, base]:  # each decoder layer, then the root
+            fully_shard(module, mesh=d.target_mesh, reshard_after_forward=True)
     fill_target(base, cfg.target, d.device, getattr(torch, cfg.dtype), d.target_mesh, verbose=d.rank == d.targets[0])
     if d.rank == d.targets[0]:
         import resource  # peak host memory of this process so far: loading reads one tensor at a time
@@ -571,6 +557,7 @@ def load_target(cfg, dcfg, d):
               f"host RSS of rank {d.rank} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB",
               flush=True)
     return base
+
 
 if __name__ == "__main__":
     main(parse_config(sys.argv[1:]))
