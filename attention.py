@@ -26,10 +26,9 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 TILE = 128  # flex_attention's default BlockMask granularity (rows and columns)
 
-# SDPA backends for decoding (eval.py, data.py's regeneration): every one but cuDNN. cuDNN attention builds an
-# execution plan on the host for each new exact q/k/v/mask shape and caches it by shape; decoding grows the key
-# length every step, so each call misses. On the H200 (torch 2.11, bf16) a speculative cycle took 133 ms with
-# cuDNN and 42-47 ms without (random SmolLM2-shaped target, BENCHMARKS.md). CPU and fp32 never pick cuDNN.
+# SDPA backends for decoding (eval.py, data.py's regeneration): all but cuDNN, which builds a host-side plan for each
+# new q/k/v/mask shape, and decoding grows the key length every step: a speculative cycle took 133 ms with cuDNN,
+# 42-47 ms without (H200, torch 2.11, bf16; BENCHMARKS.md). CPU and fp32 never pick cuDNN.
 NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH, SDPBackend.OVERRIDEABLE]
 
 
@@ -127,10 +126,9 @@ def _block_mask(anchors_BN, keep_BN, S_t, K, window, QT, KVT, Q, KV, mask_mod):
 
 
 # On CUDA the whole construction runs as one compiled graph: eager, it is ~60 small kernel launches whose host time
-# the GPU waits for at the start of every step (BENCHMARKS.md: eager vs compiled tile tables vs all compiled).
-# Dynamic shapes: one graph per window value, whatever the sequence length (a KV of one 128-token tile, S + N*K <= 128,
-# is specialized as size 1 and gets one more graph; no real shape is that small). The mask_mod closure is made outside
-# and passed in, as with a compiled create_block_mask.
+# the GPU waits for at the start of every step (BENCHMARKS.md). Dynamic shapes: one graph per window value, whatever
+# the sequence length (S + N*K <= 128, one KV tile, is specialized as size 1: one more graph; no real shape is that
+# small). The mask_mod closure is made outside and passed in, as with a compiled create_block_mask.
 _block_mask_compiled = torch.compile(_block_mask, dynamic=True)
 
 
@@ -159,8 +157,7 @@ def build_masks(anchors_BN, keep_BN, S, K, layer_types, window, backend):
 
 
 # ----------------------------------------------------------------------------- executors
-# The compiled flex kernel, once per process (torchrun gives every GPU its own process, so no compiled code is
-# ever shared between threads). Lazy: nothing compiles until the first call.
+# The compiled flex kernel, once per process (one per GPU: no compiled code is shared between threads); lazy.
 flex_compiled = torch.compile(flex_attention)
 
 

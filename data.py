@@ -2,9 +2,8 @@
 Training data for the DFlash drafter: conversations (JSONL or one JSON array; OpenAI `messages` or ShareGPT
 `conversations`) -> token ids + a loss mask (1 exactly on assistant content and its end-of-turn token) through the
 target's chat template; a broken record is an error `file:line: reason`, or with skip_invalid skipped and counted.
-So is a content holding a special or added token of the tokenizer as text (`<|im_end|>`, ...): it would be tokenized
-as that control token and supervised. Also: the tokenized cache, `Batcher`, `regenerate` (answers rewritten by the
-target: the "largest single lever on acceptance length", SpecForge / DFlash authors), the demo corpus.
+Also: the tokenized cache, `Batcher`, `regenerate` (answers rewritten by the target: the "largest single lever on
+acceptance length", SpecForge / DFlash authors), the demo corpus.
 
   python data.py demo --device cpu                     # convert target, prompts, regenerate (cached)
   python data.py regenerate --model DIR_OR_GGUF --data in.jsonl --out out.jsonl --device cuda  # all GPUs
@@ -35,8 +34,7 @@ ROLES = {"system": "system", "user": "user", "human": "user",
 # a turn holding one with another value than these is refused, never trained on without it
 UNREAD_FIELDS = {"tool_calls": (None, []), "function_call": (None,), "reasoning_content": (None, ""),
                  "weight": (None, 1)}
-# a record is bounded before it is rendered and tokenized, which take ~170 bytes per character (a 16 MB answer
-# needed 2.75 GB): one past a limit is refused, never truncated
+# bounds checked before rendering and tokenizing, which take ~170 bytes per character: past one, refused, not truncated
 MAX_RECORD_CHARS = 1_000_000  # characters of content, all turns
 MAX_TURNS = 10_000  # each turn adds the template's own text
 MAX_LINE_BYTES = 16 << 20  # a longer JSONL line is refused unparsed: room for MAX_RECORD_CHARS as \u escapes
@@ -192,8 +190,9 @@ def _normalize(obj, require_assistant=True):
 
 
 def _read(path, report, skip_invalid=False, require_assistant=True, tokenizer=None, check=lambda msgs: None):
-    """Yield (line, raw object, messages, check(messages)) per valid record; a bad record (check may raise one too; a
-    tokenizer's control token as text is one) raises ValueError('file:line: reason'), or skip_invalid counts it."""
+    """Yield (line, raw object, messages, check(messages)) per valid record; a bad record raises ValueError('file:line:
+    reason'), or skip_invalid counts it. check may raise one too; so does a special or added token of the tokenizer
+    held as text (`<|im_end|>`, ...): it would be tokenized as that control token and supervised."""
     toks = (set(tokenizer.all_special_tokens) | {t.content for t in tokenizer.added_tokens_decoder.values()}
             if tokenizer else set())
     controls = re.compile("|".join(map(re.escape, sorted(toks - {""}, key=len, reverse=True))) or "(?!)")
@@ -233,11 +232,10 @@ def _render(tokenizer, messages, generation_prompt, template_kwargs):
 
 def tokenize_conversation(tokenizer, messages, max_length, **template_kwargs):
     """-> (input_ids, loss_mask) as lists, right-truncated to max_length; the mask is 1 on every token overlapping an
-    answer or its end-of-turn token (`<|im_end|>`), not on the template's "\\n" after it (unlike SpecForge's
-    `<|im_end|>\\n`: serving stops at eos, the drafter never has to propose it). The answers are placed by a second
-    render with each replaced by a marker (its index between private-use characters the text lacks): the text must
-    read template, answer, template, ... exactly, so every answer is found in its own turn (never in an earlier turn
-    holding the same words), in two renders whatever the number of turns, or the record is refused."""
+    answer or its end-of-turn token (`<|im_end|>`), not on the template's "\\n" after it (serving stops at eos: the
+    drafter never has to propose it, unlike SpecForge's `<|im_end|>\\n`). A second render, each answer replaced by a
+    marker (its index between private-use characters the text lacks), places the answers: the text must read template,
+    answer, template, ... exactly (each answer found in its own turn, in two renders), or the record is refused."""
     text = _render(tokenizer, messages, False, template_kwargs)
     mk = next((chr(x) for x in range(0xE000, 0xF900) if chr(x) not in text), "\ue000")
     probe = [dict(m, content=f"{mk}{i}{mk}") if m["role"] == "assistant" else m for i, m in enumerate(messages)]
@@ -338,9 +336,9 @@ def load_tokenized(path, tokenizer, max_length, cache_dir=None, skip_invalid=Fal
 
 # ----------------------------------------------------------------------------- batching
 class Batcher:
-    """Endless, deterministic, length-bucketed batches: each epoch permutes the sequences (rng(seed, epoch)), drops
-    what does not fill a batch, sorts windows of BUCKET_BATCHES batches by length and shuffles the batches. The cursor
-    (epoch, step) is all the state: set it and the same batches follow (train.py resumes, spreads ranks so)."""
+    """Endless, deterministic, length-bucketed batches: each epoch permutes the sequences (rng(seed, epoch)), drops what
+    does not fill a batch, sorts windows of BUCKET_BATCHES batches by length and shuffles the batches. The cursor
+    (epoch, step) is all the state: set it and the same batches follow (how train.py resumes and spreads ranks)."""
     def __init__(self, data, batch_size, seed=0, pad_id=0, pad_multiple=128):
         self.data, self.B, self.seed, self.pad_id, self.pad_multiple = data, batch_size, seed, pad_id, pad_multiple
         self.lengths, self.steps_per_epoch = np.diff(np.asarray(data.offsets)), len(data) // batch_size

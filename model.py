@@ -159,10 +159,9 @@ def _layer_call(layer, x, ctx, cos, sin, mask):
 
 
 # The training forward of a decoder layer, compiled on CUDA: eager, every RMSNorm (fp32 upcast), RoPE, SwiGLU and
-# residual is its own pass over a [B, N*K, D] tensor, in forward and again in backward; inductor fuses them into
-# the matmul epilogues and a few kernels (BENCHMARKS.md: before/after). The layer is an argument, so the layers
-# of one type share one graph (their weights are graph inputs): one graph per layer type, plus one more each once
-# the sequence length turns dynamic. Flex attention is traced inside the same graph.
+# residual is its own pass over [B, N*K, D], forward and backward; inductor fuses them into the matmul epilogues
+# (BENCHMARKS.md). The layer is an argument, so layers of one type share one graph (weights are graph inputs), plus
+# one more once the sequence length turns dynamic. Flex attention is traced inside the same graph.
 _layer_compiled = torch.compile(_layer_call)
 
 
@@ -357,10 +356,9 @@ class DFlashDrafter(nn.Module):
         return self
 
     def forward(self, x_BQD, target_hidden_BSC, pos_blk_BQ, masks):
-        """Training forward over all blocks. x: embedded block tokens; target_hidden: concatenated target-layer
-        states for the S context positions; pos_blk: absolute positions of the block tokens (anchor+k);
-        masks: {layer_type: BlockMask or dense bool} from attention.build_masks. Returns normed hidden [B,Q,D].
-        On CUDA (compile_layers, the default) each decoder layer runs compiled, flex attention inside it."""
+        """Training forward over all blocks -> normed hidden [B,Q,D]. x: embedded block tokens; target_hidden: the
+        target-layer states of the S context positions; pos_blk: absolute positions of the block tokens (anchor+k);
+        masks: {layer_type: BlockMask or dense bool} (attention.build_masks). CUDA: compiled layers (compile_layers)."""
         B, S = target_hidden_BSC.shape[:2]
         ctx = self.hidden_norm(self.fc(target_hidden_BSC))  # computed once, shared by every layer (paper §4.2)
         pos = torch.cat([torch.arange(S, device=x_BQD.device).expand(B, S), pos_blk_BQ], dim=1)  # [B, S+Q]
