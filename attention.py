@@ -1,5 +1,4 @@
-"""
-The DFlash training attention: who may look at whom, and two executors of that one rule.
+"""The DFlash training attention: who may look at whom, and two executors of that one rule.
 
 Layout. For a batch row with S context tokens and N anchored blocks of K tokens:
   queries  Q = N*K rows    [block_0 | block_1 | ... | block_{N-1}]     (context is never a query)
@@ -147,13 +146,11 @@ def dflash_block_mask(anchors_BN, keep_BN, S, K, window=None, compiled=None):
 
 
 def build_masks(anchors_BN, keep_BN, S, K, layer_types, window, backend):
-    """One mask per distinct layer type: {"full_attention": m, "sliding_attention": m}.
-    backend "flex" -> BlockMask, "sdpa" -> dense bool [B,1,Q,KV]."""
+    """{layer type: its mask} for each distinct type: a BlockMask ("flex") or a dense bool [B,1,Q,KV] ("sdpa")."""
     make = dflash_block_mask if backend == "flex" else dense_mask
     if backend not in ("flex", "sdpa"):
         raise ValueError(f"attention backend must be 'flex' or 'sdpa', got {backend!r}")
-    return {t: make(anchors_BN, keep_BN, S, K, window if t == "sliding_attention" else None)
-            for t in set(layer_types)}
+    return {t: make(anchors_BN, keep_BN, S, K, window if t == "sliding_attention" else None) for t in set(layer_types)}
 
 
 # ----------------------------------------------------------------------------- executors

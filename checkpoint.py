@@ -1,8 +1,7 @@
-"""
-The run directory, everything a training run writes and reads back: out_dir/run_name/ holds config.json (the
-resolved config), env.txt (versions, nvidia-smi), init/ (the untrained drafter: eval's baseline), ckpt-<step>/
-(the released-format drafter + train_state.pt), metrics.jsonl (one JSON object per log step), curves.png, and
-done.json once the run is over. Checkpoints are written aside and renamed, so a crash never leaves a torn one.
+"""The run directory, everything a training run writes and reads back: out_dir/run_name/ holds config.json (the resolved
+config), env.txt (versions, nvidia-smi), init/ (the untrained drafter: eval's baseline), ckpt-<step>/ (the
+released-format drafter + train_state.pt), metrics.jsonl (one JSON object per log step), curves.png, and done.json once
+the run is over. Checkpoints are written aside and renamed, so a crash never leaves a torn one.
 
 Test: python -m pytest -q tests/test_reliability.py
 """
@@ -51,9 +50,8 @@ def warn_config_changes(cfg, state):
 
 
 def open_run_dir(run_dir, drafter, resumed_at):
-    """The leader prepares the run directory: a fresh run saves init/ and starts metrics.jsonl anew; a resumed one
-    drops the metrics lines past its checkpoint (those steps are redone). done.json goes: a run resumed past an
-    earlier end is not done."""
+    """The leader's start: a fresh run saves init/ and starts metrics.jsonl anew; a resumed one drops the metrics lines
+    past its checkpoint (those steps are redone). done.json goes: a run resumed past its end is not done."""
     metrics = os.path.join(run_dir, "metrics.jsonl")
     Path(run_dir, "done.json").unlink(missing_ok=True)
     if resumed_at is None:
@@ -79,8 +77,7 @@ def write_done(run_dir, total, bad_steps, streak, last_good):
 
 # ------------------ checkpoints: ckpt-<step>/ = the released-format drafter + train_state.pt (masters, optimizer, step)
 def list_ckpts(run_dir):
-    """Complete checkpoints, oldest first: exactly ckpt-<7 digits>. A .tmp is a write in progress (or killed),
-    a .old one being replaced or pruned; neither is ever resumed from."""
+    """Complete checkpoints, oldest first: exactly ckpt-<7 digits>, never a .tmp (a write) or a .old (being removed)."""
     if not os.path.isdir(run_dir):
         return []
     return sorted(c for c in os.listdir(run_dir) if c.startswith("ckpt-") and c[5:].isdigit())
@@ -95,10 +92,9 @@ def _fsync(path):  # a file or a directory: on disk, not just in the page cache,
 
 
 def save_checkpoint(run_dir, step, drafter, optim, cfg, micro, bad_steps=0):
-    """Released-format drafter + train_state.pt, written into ckpt-<step>.tmp, flushed, then renamed: a crash or a
-    full disk at any point leaves every earlier complete checkpoint intact (a failed write removes its .tmp and
-    raises). Only after the rename are the oldest pruned beyond keep_ckpts. train_state.pt holds only tensors,
-    numbers, strings, lists and dicts, so resuming loads it with torch.load(weights_only=True)."""
+    """Released-format drafter + train_state.pt (tensors and plain containers only), written into ckpt-<step>.tmp,
+    flushed, renamed: a crash or a full disk at any point leaves every earlier checkpoint intact (a failed write
+    removes its .tmp and raises). Only after the rename are the oldest pruned beyond keep_ckpts."""
     final = os.path.join(run_dir, f"ckpt-{step:07d}")
     tmp, old = final + ".tmp", final + ".old"
     for c in os.listdir(run_dir):  # leftovers of a killed write (only this process, the leader, writes here)
@@ -127,9 +123,8 @@ def save_checkpoint(run_dir, step, drafter, optim, cfg, micro, bad_steps=0):
 
 
 def resume_point(cfg, run_dir):
-    """-> (checkpoint path, its train state) to resume from, or (None, None) for a fresh run. --resume=auto takes
-    the newest checkpoint that is complete and loadable and says which newer ones it passed over (a checkpoint is
-    published whole by a rename, but a disk or a copy can still damage it); an explicit --resume must be sound."""
+    """-> (checkpoint path, its train state), or (None, None) for a fresh run. --resume=auto takes the newest loadable
+    checkpoint, saying which newer ones it passed over (a disk or a copy can damage one); an explicit one must load."""
     if cfg.resume != "auto":
         return (cfg.resume, load_train_state(cfg.resume)) if cfg.resume else (None, None)
     for name in reversed(list_ckpts(run_dir)):
@@ -142,9 +137,8 @@ def resume_point(cfg, run_dir):
 
 
 def load_train_state(ckpt):
-    """train_state.pt through torch.load(weights_only=True): tensors and plain containers only, so a tampered or
-    foreign file cannot run code. Tensors land on the CPU (a CUDA run saved them on the leader's GPU). The drafter's
-    files must be there and whole too. Raises ValueError saying what is missing, torn, or refused."""
+    """train_state.pt through torch.load(weights_only=True), so a tampered or foreign file cannot run code, onto the
+    CPU; the drafter's files must be whole too. Raises ValueError saying what is missing, torn, or refused."""
     from safetensors import safe_open
     missing = [f for f in ("config.json", "model.safetensors", "train_state.pt")
                if not os.path.isfile(os.path.join(ckpt, f))]

@@ -52,8 +52,7 @@ def crop(cache, length):
 
 
 def draft(drafter, target, block_1K, new_hidden_1TC, cache, start, temperature, generator):
-    """One drafter call -> (draft tokens for block offsets 1..K-1 [1, K-1], cache of 0..start-1).
-    A seam: tests replace it with an oracle or a saboteur to check the acceptance counting."""
+    """One drafter call -> (drafts for block offsets 1..K-1 [1, K-1], cache of 0..start-1); tests replace it."""
     x_1KD = F.embedding(block_1K, target.get_input_embeddings().weight)  # raw rows, exactly as dflash_loss embeds
     h_1KD, cache = drafter.forward_cached(x_1KD, new_hidden_1TC, cache, start)
     logits = target.get_output_embeddings()(h_1KD[:, 1:])  # offset 0 is the clean anchor: its output is unused
@@ -241,7 +240,7 @@ def tau_figures(per_prompt, suffix=""):
 
 
 def _worker(k, n, target_path, drafter_path, prompts, device, dtype, kw, out_dir):
-    """Worker k of n: load its own target and drafter, decode prompts k::n, write its results to out_dir/k.json."""
+    """Worker k of n: its own target and drafter, prompts k::n, results written to out_dir/k.json."""
     if torch.device(device).type == "cpu":  # share the cores instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
     target, tok = data.load_target(target_path, device, dtype)

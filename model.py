@@ -1,5 +1,4 @@
-"""
-The DFlash drafter in plain torch, its released checkpoint format, and its training objective.
+"""The DFlash drafter in plain torch, its released checkpoint format, and its training objective.
 
 A drafter (DFlash, arXiv 2602.06036) is a few Qwen3-style decoder layers. It reads the frozen target's
 hidden states at `target_layer_ids`, fuses them once (fc + hidden_norm) into context features, and every layer
@@ -40,8 +39,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim, theta, scaling=None):
-    """Inverse frequencies in fp32, as HF and the serving engines compute them (bf16 ones would not match). Supports
-    the rope types a DFlash drafter config carries in practice; anything else is an error, never an approximation."""
+    """Inverse frequencies in fp32, as HF and the serving engines compute them (bf16 ones would not match). Another
+    rope type than these is an error, never an approximation."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
@@ -108,9 +107,9 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.H * self.hd))
 
     def forward_cached(self, x_BKD, ctx_new_BTD, cache_kv, rope_ctx, rope_blk, sliding_mask):
-        """Inference (eval.py): extend the context cache with new verified positions, attend one block over
-        [cached context ; block], keep only the context in the cache. rope_ctx / rope_blk: (cos, sin) of the new
-        context and the block positions; sliding_mask: [K, start+K] bool or None; all three shared by every layer."""
+        """Inference (eval.py): extend the context cache with new verified positions, attend one block over [cached
+        context ; block], cache only the context. rope_ctx / rope_blk: (cos, sin) of the new context and the block
+        positions; sliding_mask: [K, start+K] bool or None; all three shared by every layer."""
         B, K, _ = x_BKD.shape
         k_new, v_new = self.project_kv(ctx_new_BTD, *rope_ctx)
         if cache_kv is not None:
@@ -308,9 +307,8 @@ def drafter_config_from_target(target_config, tokenizer=None, num_layers=5, num_
 
 # ----------------------------------------------------------------------------- the drafter
 class MarkovHead(nn.Module):
-    """DSpark's sequential correction (deepseek-ai/DeepSpec): block offset k's logits get a low-rank bias from the
-    token before it, logits_k = lm_head(h_k) + markov_w2(markov_w1[token_{k-1}]). Training feeds the true previous
-    token (dflash_loss); drafting goes left to right, each drafted token the next one's previous (eval.draft)."""
+    """DSpark's sequential correction (deepseek-ai/DeepSpec): logits_k = lm_head(h_k) + w2(w1[token_{k-1}]). Training
+    feeds the true previous token (dflash_loss); drafting goes left to right (eval.draft)."""
 
     def __init__(self, vocab_size, rank):
         super().__init__()
@@ -370,9 +368,8 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
     def forward_cached(self, x_BKD, new_hidden_BTC, cache, start):
-        """Inference-style forward of one block (eval.py). cache: list of per-layer (k, v) for context
-        positions 0..start-T-1 (None entries for an empty cache); new_hidden: target states of the newly
-        verified positions start-T..start-1. Returns (normed hidden [B,K,D], new cache holding 0..start-1)."""
+        """One block at inference (eval.py) -> (normed hidden [B,K,D], cache of 0..start-1). cache: per-layer (k, v)
+        of positions 0..start-T-1 (None: empty); new_hidden: target states of the verified start-T..start-1."""
         K, T, dev, dt = x_BKD.shape[1], new_hidden_BTC.shape[1], x_BKD.device, x_BKD.dtype
         T0 = 0 if not cache or cache[0] is None else cache[0][0].shape[2]
         assert T0 + T == start, "context cache must cover exactly positions 0..start-1"
@@ -432,9 +429,8 @@ def load_drafter(ckpt_dir, device="cpu", dtype=None):
 
 # ----------------------------------------------------------------------------- training objective (paper §4.2, Eq. 4)
 def sample_anchors(loss_mask_BS, num_anchors, generator=None):
-    """Uniform without replacement among positions p with loss_mask[p] and loss_mask[p+1] (the anchor is a
-    response token and its first label is supervised), sorted ascending, padded to exactly num_anchors with
-    keep=False so every step has the same query length (no recompiles, no .item() sync)."""
+    """Uniform without replacement among positions p with loss_mask[p] and loss_mask[p+1] (a response token whose
+    first label is supervised), sorted, padded to num_anchors with keep=False: fixed shapes, no recompiles, no sync."""
     B, S = loss_mask_BS.shape
     lm = loss_mask_BS.bool()
     cand = torch.zeros_like(lm)
@@ -492,11 +488,9 @@ _ce_chunk_compiled = torch.compile(_ce_chunk, dynamic=False)  # lazy; shapes are
 
 
 class HeadCE(torch.autograd.Function):
-    """Frozen LM head + weighted cross-entropy, chunked over rows, with the input gradient computed in the forward
-    pass: each chunk's [rows, V] logits exist once and are never recomputed (SpecForge recomputes them under
-    checkpointing, a third LM-head matmul), and no fp32 copy of all logits is ever held. The head gets no gradient.
-    With a Markov head (w1 [V, r], w2 [V, r]; prev_M the previous tokens) the logits get its bias, and w1, w2 their
-    gradients, from the same chunk."""
+    """Frozen LM head + weighted cross-entropy, chunked over rows, the input gradient computed in the forward: each
+    chunk's [rows, V] logits exist once, never recomputed (no third LM-head matmul), never all in fp32. The head gets
+    no gradient. A Markov head (w1, w2 [V, r]; prev_M the previous tokens) adds its bias and gets its gradients."""
 
     @staticmethod
     def forward(ctx, out_MD, head_VD, labels_M, w_M, chunk_rows, K=0, alpha=0.0, prev_M=None, w1_Vr=None, w2_Vr=None):

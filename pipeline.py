@@ -1,12 +1,11 @@
-"""
-Everything that knows about ranks: roles and process groups (`assign_roles`, `setup_dist` -> a frozen `Dist`), the
-frozen target (`target_decoder` builds it on the meta device up to the deepest captured layer; `fill_target` reads
-the checkpoint one tensor at a time into this rank's FSDP2 shard; `Capture` returns the hidden states), and the
-static schedule by which they travel: micro-batch m (a global counter) belongs to optimizer step
-m // (drafters * grad_accum), and `route` names the target rank that prefills it and the drafter rank that trains on
-it. Every rank walks its micro-batches in increasing m, so the lowest outstanding transfer can always proceed and
-nobody needs a coordinator. `run_target` is a target rank's whole life, `Receiver` the drafter's end of the
-transfer, `Colocated` both in one process. How the target is sharded is train.py's `load_target`.
+"""Everything that knows about ranks: roles and process groups (`assign_roles`, `setup_dist` -> a frozen `Dist`), the
+frozen target (`target_decoder` builds it on the meta device up to the deepest captured layer; `fill_target` reads the
+checkpoint one tensor at a time into this rank's FSDP2 shard; `Capture` returns the hidden states), and the static
+schedule by which they travel: micro-batch m (a global counter) belongs to optimizer step m // (drafters * grad_accum),
+and `route` names the target rank that prefills it and the drafter rank that trains on it. Every rank walks its
+micro-batches in increasing m, so the lowest outstanding transfer can always proceed and nobody needs a coordinator.
+`run_target` is a target rank's whole life, `Receiver` the drafter's end of the transfer, `Colocated` both in one
+process. How the target is sharded is train.py's `load_target`.
 
 Test: python -m pytest -q tests/test_train.py tests/test_multinode.py
 """
@@ -39,9 +38,8 @@ def torchrun_env():
 
 
 def assign_roles(world, cfg, local_world=None):
-    """-> (target ranks, drafter ranks), global ranks. One process: both roles on rank 0 (colocated).
-    Several nodes: every node gets the same split, its first target_ranks local ranks hold the target (torchrun
-    numbers ranks node by node), so each node's targets feed only that node's drafters, over NVLink."""
+    """-> (target ranks, drafter ranks), global ranks; one process: both roles on rank 0. Every node gets the same
+    split, its first target_ranks local ranks the target, so its targets feed only its own drafters, over NVLink."""
     if world == 1:
         return [0], [0]
     local_world = local_world or world
@@ -143,12 +141,10 @@ def report_failure(msg, when=None):
 
 
 def watch_for_death(rank, role):
-    """Under torchrun, make every way this rank can end show in the launcher's summary with its rank and role. A rank
-    killed by a signal (kill -9, the OOM killer, a segfault) prints nothing, so a note goes into the error file now,
-    stamped with the launcher's start time; a Python failure replaces it, stamped later; ranks stopped by SIGTERM after
-    a failure rewrite it as they go. So the failure that came first is named, ahead of peers that fail because it
-    vanished. Also the kernel SIGKILLs this rank when its launcher dies: torchrun starts every worker in its own
-    session, so a `kill -9` of torchrun would otherwise leave the ranks running, holding their GPUs."""
+    """Under torchrun, make every end of this rank show in the launcher's summary with its rank and role: a note in the
+    error file, stamped with the launcher's start time, names a rank killed by a signal (it prints nothing); a Python
+    failure or a SIGTERM after one elsewhere rewrites it, stamped later, so the first failure is the one named. And
+    the kernel SIGKILLs this rank when its launcher dies (torchrun gives each worker its own session)."""
     if torchrun_env().run_id is None or not sys.platform.startswith("linux"):
         return
     report_failure(f"rank {rank} ({role}) died without a Python error: killed by a signal (kill -9, the OOM "
@@ -225,8 +221,7 @@ def memory_estimate(cfg, dcfg, target_config, targets_per_node, num_anchors=None
 
 
 def _target_params(target_config, n, _seen={}):
-    """Parameters of each of the target's first n layers and of its embedding, from a meta-device model (nothing
-    allocated); remembered per config."""
+    """Parameters of each of the target's first n layers and of its embedding (a meta-device model), per config."""
     key = (target_config.to_json_string(), n)
     if key not in _seen:
         from transformers import AutoModelForCausalLM
@@ -258,9 +253,8 @@ def largest_anchors(cfg, dcfg, target_config, world, usable):
 
 
 def memory_check(cfg, dcfg, target_config, world, device_gib=None):
-    """-> (lines to print, errors): a config whose estimate passes a device's memory (device_gib; default this rank's
-    GPU, on CPU the host's share per process) is refused before anything loads, naming the largest num_anchors
-    that fits."""
+    """-> (lines to print, errors): an estimate past a device's memory (device_gib; default this rank's GPU, on CPU
+    the host's share per process) is an error naming the largest num_anchors that fits."""
     T = max(1, cfg.target_ranks) if world > 1 else 1
     lines = [f"  {r} rank: {sum(p.values()):.1f} GiB = " + " + ".join(f"{v:.2f} {k}" for k, v in p.items() if v)
              for r, p in memory_estimate(cfg, dcfg, target_config, T).items()]
@@ -331,8 +325,8 @@ def fill_target(base, path, device, dtype, mesh=None, verbose=False):
 
 
 def _reinit_nonpersistent_buffers(model):
-    """to_empty leaves non-persistent buffers (rotary inv_freq) uninitialized: rebuild them from the module's own
-    config, in fp32 on CPU, and copy. Any other such buffer is an error, never garbage."""
+    """to_empty leaves non-persistent buffers (rotary inv_freq) uninitialized: copy them from a fresh module built
+    from its own config (fp32, CPU). A module without a config is an error, never garbage."""
     for mname, mod in model.named_modules():
         names = [b for b in mod._non_persistent_buffers_set if mod._buffers.get(b) is not None]
         if not names:

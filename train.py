@@ -1,10 +1,8 @@
-"""
-Train a DFlash drafter (arXiv 2602.06036) against a frozen target, one process per GPU (torchrun).
+"""Train a DFlash drafter (arXiv 2602.06036) against a frozen target, one process per GPU (torchrun).
 
-Roles: target ranks hold the frozen target (FSDP2 over the target sub-mesh, or replicated), prefill each sequence
-and capture the hidden states at `target_layer_ids`; drafter ranks train the drafter data-parallel with compiled
-flex attention. Hidden states flow target -> drafter over point-to-point sends (pipeline.py). With one process (one
-GPU, or CPU) both roles run in that process, with no transport.
+Roles: target ranks hold the frozen target (FSDP2 over the node's target ranks, or replicated), prefill each sequence
+and capture the hidden states at `target_layer_ids`; drafter ranks train the drafter data-parallel. Hidden states flow
+target -> drafter over point-to-point sends (pipeline.py); one process (one GPU, or CPU) holds both roles.
 
     bash launch.sh                                   # picks the demo or the real recipe for this machine
     torchrun --nproc_per_node 8 train.py --target=/models/Qwen3.6-27B --data=train.jsonl
@@ -103,9 +101,8 @@ def lr_at(cfg, step, total):
 
 
 class Optimizer:
-    """AdamW over fp32 master weights (the drafter itself may be bf16). Gradients go into one flat fp32 buffer,
-    reduced once per step across drafter ranks and divided by the global token-weight sum (an exact token-weighted
-    mean over ranks and micro-batches), then clipped by their global L2 norm."""
+    """AdamW over fp32 master weights (the drafter itself may be bf16). Gradients go into one flat fp32 buffer, reduced
+    once per step over drafter ranks, divided by the global token-weight sum (an exact token-weighted mean), clipped."""
 
     def __init__(self, cfg, drafter, d):
         self.cfg, self.d = cfg, d
@@ -118,9 +115,9 @@ class Optimizer:
                                      weight_decay=cfg.weight_decay, fused=self.flat.is_cuda)
 
     def step(self, lr, weight_sum, loss_finite=True):
-        """p.grad holds d(sum of weighted CE)/dp of this rank -> (global grad norm before clipping, applied).
-        A non-finite loss or grad norm drops the step whole: no update, no optimizer-state change, gradients
-        discarded. Every drafter rank sees the same all-reduced loss and buffer, so all take the same decision."""
+        """p.grad holds d(sum of weighted CE)/dp of this rank -> (global grad norm before clipping, applied). A
+        non-finite loss or grad norm drops the step whole (no update, no optimizer-state change): every drafter rank
+        sees the same reduced loss and buffer, so all decide alike."""
         for v, p in zip(self.views, self.params):
             if p.grad is None:
                 v.zero_()
@@ -209,8 +206,8 @@ def train(cfg, d, target_config, tokenizer):
 
 
 def accumulate(step, cfg, models, source, schedule):
-    """The grad_accum micro-batches of optimizer step `step` on this drafter rank: forward, loss, backward (the
-    un-normalized weighted CE; the optimizer divides by the global weight sum) -> (summed statistics, last length)."""
+    """The grad_accum micro-batches of optimizer step `step` on this drafter rank: forward, loss, backward of the
+    un-normalized weighted CE (the optimizer divides) -> (summed statistics, last length)."""
     drafter, embed, head = models
     total = None
     for _ in range(cfg.grad_accum):
@@ -355,10 +352,9 @@ def _each(names, ok, message):
 
 
 INF, MAX_STEPS, DAY = float("inf"), 10 ** 9, 86_400
-# (field, check(cfg, target text config), message): every failing row is reported, each line naming its field.
-# Numbers are checked against ranges, so nan and inf fail too. A 4th element lists the fields a row compares with:
-# it is skipped when one of them failed (one error, one line). SHAPE: the fields the drafter config is derived
-# from; when one fails, deriving it would only repeat the error.
+# (field, check(cfg, target text config), message): every failing row is reported, naming its field. Numbers are
+# checked against ranges, so nan and inf fail too. A 4th element: the fields a row compares with; it is skipped when
+# one of them failed. SHAPE: the fields the drafter config is derived from (deriving it is skipped when one fails).
 SHAPE = [
     *_each(["drafter_layers"], lambda x: 1 <= x <= 1024, "must be in [1, 1024]"),
     *_each(["block_size"], lambda x: 2 <= x <= 1024, "must be in [2, 1024]"),
@@ -481,9 +477,8 @@ def read_target(cfg):
 
 
 def plan(cfg):
-    """--plan=NODESxGPUS[:GiB]: the placement; each role's memory per GPU from the target's config.json alone (no
-    weights, no tokenizer, no GPU); and the largest num_anchors that fits at each max_length on GPUs of GiB (default:
-    80 and 141, an H100/A100 and an H200)."""
+    """--plan=NODESxGPUS[:GiB]: the placement, each role's memory per GPU from the target's config.json alone (no
+    weights, tokenizer or GPU), and the largest num_anchors that fits per max_length on GiB GPUs (default 80, 141)."""
     from transformers import AutoConfig
     shape, _, gib = cfg.plan.partition(":")
     nodes, gpus = (int(x) for x in shape.lower().split("x"))
@@ -541,9 +536,8 @@ def load_data(cfg, d, tokenizer, mask_id):
 
 
 def load_target(cfg, dcfg, d):
-    """The frozen target on this rank, up to the deepest captured layer: built on the meta device, sharded with
-    FSDP2 on the target mesh (per decoder layer, then the root; resharded after every forward, as inference wants)
-    or replicated, then filled with this rank's shard only (pipeline.py)."""
+    """The frozen target on this rank, up to the deepest captured layer: built on the meta device, sharded with FSDP2
+    on the target mesh (resharded after every forward, as inference wants) or replicated, filled with its shard only."""
     t0 = time.time()
     base = target_decoder(cfg.target, max(dcfg.target_layer_ids) + 1, getattr(torch, cfg.dtype))
     if d.target_mesh is not None:
