@@ -25,9 +25,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 TILE = 128  # flex_attention's default BlockMask granularity (rows and columns)
 
-# SDPA backends for decoding (eval.py, data.py's regeneration): all but cuDNN, which builds a host-side plan for each
-# new q/k/v/mask shape, and decoding grows the key length every step: a speculative cycle took 133 ms with cuDNN,
-# 42-47 ms without (H200, torch 2.11, bf16; BENCHMARKS.md). CPU and fp32 never pick cuDNN.
+# SDPA backends for decoding (eval.py, data.py's regeneration): all but cuDNN, which plans on the host for each new
+# q/k/v/mask shape, and decoding grows the key length every step (~3x slower on an H200, BENCHMARKS.md).
 NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH, SDPBackend.OVERRIDEABLE]
 
 
@@ -55,8 +54,7 @@ def dflash_mask_mod(anchors_BN, keep_BN, S, K, window=None):
 
 def dense_mask(anchors_BN, keep_BN, S, K, window=None):
     """The rule evaluated everywhere: bool [B, 1, N*K, S+N*K]. CPU/SDPA path and tests only (O(Q*KV) memory)."""
-    B, N = anchors_BN.shape
-    dev = anchors_BN.device
+    (B, N), dev = anchors_BN.shape, anchors_BN.device
     mask_mod = dflash_mask_mod(anchors_BN, keep_BN, S, K, window)
     b = torch.arange(B, device=dev).view(B, 1, 1, 1)
     q = torch.arange(N * K, device=dev).view(1, 1, -1, 1)
@@ -97,8 +95,7 @@ def block_tiles(anchors_BN, keep_BN, S_t, K, window, QT, KVT):
     A KV tile is 'partial' if any row of the Q tile may see any key in it (union of the rows' intervals, by a
     difference array), and 'full' if every row sees all of it (intersection of intervals), so the kernel skips
     mask evaluation there. Pure tensor ops, no host sync."""
-    B = anchors_BN.shape[0]
-    dev = anchors_BN.device
+    B, dev = anchors_BN.shape[0], anchors_BN.device
     lo_hi = _row_intervals(anchors_BN, keep_BN, S_t, K, window, QT * TILE)
     # union: +1 at the first tile of each non-empty interval, -1 after its last tile, cumsum > 0
     diff = torch.zeros(B, QT * (KVT + 1), dtype=torch.int32, device=dev)
@@ -124,10 +121,9 @@ def _block_mask(anchors_BN, keep_BN, S_t, K, window, QT, KVT, Q, KV, mask_mod):
     return BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(Q, KV))
 
 
-# On CUDA the whole construction runs as one compiled graph: eager, it is ~60 small kernel launches whose host time
-# the GPU waits for at the start of every step (BENCHMARKS.md). Dynamic shapes: one graph per window value, whatever
-# the sequence length (S + N*K <= 128, one KV tile, is specialized as size 1: one more graph; no real shape is that
-# small). The mask_mod closure is made outside and passed in, as with a compiled create_block_mask.
+# On CUDA one compiled graph: eager, ~60 small kernel launches the GPU waits for at the start of every step
+# (BENCHMARKS.md). Dynamic shapes: one graph per window value, whatever the length (a single KV tile, S + N*K <= 128,
+# is specialized: one more). The mask_mod closure is made outside and passed in, as with a compiled create_block_mask.
 _block_mask_compiled = torch.compile(_block_mask, dynamic=True)
 
 

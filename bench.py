@@ -338,11 +338,10 @@ def bench_decode(args):
 
 
 def bench_plan(args):
-    """The start-up check's estimate (pipeline.memory_need, what train.py --plan prints) against the measured peak of
-    train.py's own pieces (a drafter rank: drafter, train.Optimizer with fp32 masters and Adam, dflash_loss on a
-    full-length micro-batch of target states): --preset 27b, its drafter rank at each --seq; --preset smol, the demo
-    on one GPU (SmolLM2 target, capture and drafter in one process, data.demo_settings' cuda settings). One setting
-    per process: compiled layers of another model or shape in the same process would recompile as dynamic."""
+    """The start-up estimate (pipeline.memory_need, as train.py --plan prints it) against the measured peak of
+    train.py's own pieces: --preset 27b, a drafter rank (drafter, train.Optimizer, dflash_loss on full-length target
+    states) at each --seq; --preset smol, the demo colocated on one GPU (data.demo_settings' cuda settings). One
+    setting per process: compiled layers of another shape in the same process would recompile as dynamic."""
     from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
     configure_compile()
     row, gen = table("plan: estimate vs measured peak"), torch.Generator("cuda").manual_seed(0)

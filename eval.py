@@ -320,8 +320,7 @@ def write_results(res, out_dir):
     return jpath, ppath
 
 
-def _unloadable(ckpt):
-    """Why the drafter files of `ckpt` do not load, or None if they do."""
+def _unloadable(ckpt):  # why the drafter files of `ckpt` do not load, or None if they do
     try:
         load_drafter(ckpt)
     except Exception as e:  # a file absent (FileNotFoundError), a torn safetensors header, config and weights apart

@@ -157,10 +157,9 @@ def _layer_call(layer, x, ctx, cos, sin, mask):
     return layer(x, ctx, cos, sin, mask)
 
 
-# The training forward of a decoder layer, compiled on CUDA: eager, every RMSNorm (fp32 upcast), RoPE, SwiGLU and
-# residual is its own pass over [B, N*K, D], forward and backward; inductor fuses them into the matmul epilogues
-# (BENCHMARKS.md). The layer is an argument, so layers of one type share one graph (weights are graph inputs), plus
-# one more once the sequence length turns dynamic. Flex attention is traced inside the same graph.
+# A decoder layer's training forward, compiled on CUDA: inductor fuses the norms, RoPE, SwiGLU and residuals (each its
+# own pass over [B, N*K, D] eagerly) into the matmuls (BENCHMARKS.md), flex attention inside. The layer is an argument:
+# layers of one type share one graph (weights are inputs), plus one once the sequence length turns dynamic.
 _layer_compiled = torch.compile(_layer_call)
 
 
@@ -205,9 +204,8 @@ class DrafterConfig:
     def to_json_dict(self):
         def own(*names):  # these fields as they are
             return {n: getattr(self, n) for n in names}
-        # with a Markov head the checkpoint is a DSpark drafter as vLLM (`method: "dspark"`, found by this
-        # architecture) and SGLang read one: the head's rank, the vanilla head, no confidence head, and our block
-        # layout (offset 0 holds the anchor and predicts nothing: sample_from_anchor false)
+        # a Markov head makes it a DSpark drafter as vLLM (`method: "dspark"`) and SGLang read one: the rank, a vanilla
+        # head, no confidence head, our block layout (offset 0 holds the anchor, predicts nothing: sample_from_anchor)
         head = {"markov_rank": self.markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": False,
                 "sample_from_anchor": False, "mask_token_id": self.mask_token_id,
                 "target_layer_ids": list(self.target_layer_ids)} if self.markov_rank else {}
@@ -323,8 +321,7 @@ class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.cfg = cfg
-        K = len(cfg.target_layer_ids)
-        self.fc = nn.Linear(K * cfg.hidden_size, cfg.hidden_size, bias=False)  # fuse K target layers
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)  # fuse K layers
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -396,8 +393,7 @@ def save_drafter(drafter, out_dir, dtype=torch.bfloat16):
     os.makedirs(out_dir, exist_ok=True)
     sd = {k: (v if dtype is None else v.to(dtype)).detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
     cfg = drafter.cfg.to_json_dict()
-    saved = next(iter(sd.values())).dtype
-    cfg["dtype"] = cfg["torch_dtype"] = str(saved).removeprefix("torch.")
+    cfg["dtype"] = cfg["torch_dtype"] = str(next(iter(sd.values())).dtype).removeprefix("torch.")  # as saved
     save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
@@ -415,8 +411,7 @@ def load_drafter(ckpt_dir, device="cpu", dtype=None):
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg)
     expected = {k: v.shape for k, v in drafter.state_dict().items()}
-    missing = sorted(set(expected) - set(sd))
-    unexpected = sorted(set(sd) - set(expected))
+    missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
     if missing or unexpected:
         raise KeyError(f"{ckpt_dir}: missing keys {missing}, unexpected keys {unexpected}")
     for k, shape in expected.items():
@@ -450,8 +445,7 @@ def block_labels(input_ids_BS, loss_mask_BS, anchors_BN, keep_BN, K, gamma):
     """Labels at the SAME position: block offset k predicts input_ids[anchor+k]; offset 0 (the clean anchor) and
     positions >= S are unsupervised; the loss mask is read at the label position, not the anchor.
     Returns labels [B,N,K], valid [B,N,K] bool, weights [B,N,K] = valid * exp(-(k-1)/gamma) (w_1 = 1, Eq. 4)."""
-    B, S = input_ids_BS.shape
-    N = anchors_BN.shape[1]
+    (B, S), N = input_ids_BS.shape, anchors_BN.shape[1]
     k = torch.arange(K, device=input_ids_BS.device)
     pos_BNK = anchors_BN[:, :, None] + k
     idx = pos_BNK.clamp(max=S - 1).view(B, N * K)
@@ -495,8 +489,7 @@ class HeadCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out_MD, head_VD, labels_M, w_M, chunk_rows, K=0, alpha=0.0, prev_M=None, w1_Vr=None, w2_Vr=None):
         ce = _ce_chunk_compiled if out_MD.is_cuda else _ce_chunk
-        loss = torch.zeros((), device=out_MD.device)
-        grad = torch.empty_like(out_MD)
+        loss, grad = torch.zeros((), device=out_MD.device), torch.empty_like(out_MD)
         correct = torch.empty(out_MD.shape[0], dtype=torch.bool, device=out_MD.device)
         g1, g2 = (None, None) if w1_Vr is None else (torch.zeros_like(w1_Vr, dtype=torch.float32),
                                                      torch.zeros_like(w2_Vr, dtype=torch.float32))

@@ -88,9 +88,8 @@ def setup_dist(cfg, env):
         return Dist(env.rank, 1, device, targets, drafters, 1, None, None, None)
     timeout = datetime.timedelta(seconds=cfg.transport_timeout)
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout, device_id=device if use_cuda else None)
-    # every rank builds every group, in this order (SPMD: a mismatch hangs silently). The target is sharded within
-    # each node and replicated across nodes: it is frozen, so replicas never synchronize, and its per-forward
-    # all-gathers stay on NVLink (README "Across nodes" has the arithmetic).
+    # every rank builds every group, in this order (SPMD: a mismatch hangs silently). The target is sharded within each
+    # node, replicated across nodes (frozen: replicas never sync), so its all-gathers stay on NVLink (README).
     from torch.distributed.device_mesh import DeviceMesh
     T = len(targets) // nnodes
     node_groups = [dist.new_group(targets[n * T:(n + 1) * T]) for n in range(nnodes)]

@@ -430,8 +430,7 @@ def _existing_parent(path):
 def validate(cfg, world, target_config, tokenizer, local_world=None, device_gib=None):
     """Every config error at once, before any process group or GPU memory. Each message starts with the field.
     device_gib: the memory of one GPU (default: this rank's CUDA device; none on CPU)."""
-    tc = target_config.get_text_config()
-    errs = []
+    tc, errs = target_config.get_text_config(), []
     try:
         assign_roles(world, cfg, local_world)
     except ValueError as e:
