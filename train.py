@@ -301,12 +301,11 @@ def main(cfg):
         d = setup_dist(cfg, env)
         train(cfg, d, target_config, tokenizer)
     except BaseException as e:
-        msg = f"[rank {env.rank} ({role})] FAILED: {type(e).__name__}: {e}"
+        msg = f"[rank {env.rank} ({role})] FAILED: {type(e).__name__}: {e}\n{traceback.format_exc()}"
         sys.stdout.flush()
-        sys.stderr.write(f"\n{msg}\n{traceback.format_exc()}")
-        sys.stderr.flush()
+        print(f"\n{msg}", end="", file=sys.stderr, flush=True)
         lost_peer = isinstance(e, dist.DistError) or "by peer" in str(e)  # a consequence of another rank's exit:
-        report_failure(f"{msg}\n{traceback.format_exc()}", time.time() + lost_peer)  # stamped after it
+        report_failure(msg, time.time() + lost_peer)  # stamped after it
         os._exit(1)  # never wait in NCCL/gloo destructors: torchrun sees the exit and stops every other rank
     finally:
         teardown_dist(d)
