@@ -1,5 +1,4 @@
-"""
-The DFlash training attention: who may look at whom, and two executors of that one rule.
+"""The DFlash training attention: who may look at whom, and two executors of that one rule.
 
 Layout. For a batch row with S context tokens and N anchored blocks of K tokens:
   queries  Q = N*K rows    [block_0 | block_1 | ... | block_{N-1}]     (context is never a query)
@@ -26,16 +25,12 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 TILE = 128  # flex_attention's default BlockMask granularity (rows and columns)
 
-# SDPA backends for decoding (eval.py, data.py's regeneration): every one but cuDNN. cuDNN attention builds an
-# execution plan on the host for each new exact q/k/v/mask shape and caches it by shape; decoding grows the key
-# length every step, so each call misses. On the H200 (torch 2.11, bf16) a speculative cycle took 133 ms with
-# cuDNN and 42-47 ms without (random SmolLM2-shaped target, BENCHMARKS.md). CPU and fp32 never pick cuDNN.
+# SDPA backends for decoding (eval.py, data.py's regeneration): all but cuDNN, which plans on the host for each new
+# q/k/v/mask shape, and decoding grows the key length every step (~3x slower on an H200, BENCHMARKS.md).
 NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH, SDPBackend.OVERRIDEABLE]
 
-# -----------------------------------------------------------------------------
-# the rule
 
-
+# ----------------------------------------------------------------------------- the rule
 def dflash_mask_mod(anchors_BN, keep_BN, S, K, window=None):
     """Mask rule as a flex `mask_mod(b, h, q_idx, kv_idx) -> bool`. Also works on broadcast aranges.
     S is a 0-d integer tensor (or int): as a tensor it is an input of the compiled kernel, not a constant,
@@ -59,8 +54,7 @@ def dflash_mask_mod(anchors_BN, keep_BN, S, K, window=None):
 
 def dense_mask(anchors_BN, keep_BN, S, K, window=None):
     """The rule evaluated everywhere: bool [B, 1, N*K, S+N*K]. CPU/SDPA path and tests only (O(Q*KV) memory)."""
-    B, N = anchors_BN.shape
-    dev = anchors_BN.device
+    (B, N), dev = anchors_BN.shape, anchors_BN.device
     mask_mod = dflash_mask_mod(anchors_BN, keep_BN, S, K, window)
     b = torch.arange(B, device=dev).view(B, 1, 1, 1)
     q = torch.arange(N * K, device=dev).view(1, 1, -1, 1)
@@ -68,10 +62,7 @@ def dense_mask(anchors_BN, keep_BN, S, K, window=None):
     return mask_mod(b, 0, q, kv)
 
 
-# -----------------------------------------------------------------------------
-# BlockMask from the anchors, without evaluating the rule per element
-
-
+# -------------------------------------------------- BlockMask from the anchors, without evaluating the rule per element
 def _row_intervals(anchors_BN, keep_BN, S, K, window, Q_pad):
     """Every query row's allowed keys are two intervals, [ctx_lo, ctx_hi) and [blk_lo, blk_hi).
     Returns four int64 tensors [B, Q_pad]; empty intervals (padding blocks) are [0, 0)."""
@@ -104,8 +95,7 @@ def block_tiles(anchors_BN, keep_BN, S_t, K, window, QT, KVT):
     A KV tile is 'partial' if any row of the Q tile may see any key in it (union of the rows' intervals, by a
     difference array), and 'full' if every row sees all of it (intersection of intervals), so the kernel skips
     mask evaluation there. Pure tensor ops, no host sync."""
-    B = anchors_BN.shape[0]
-    dev = anchors_BN.device
+    B, dev = anchors_BN.shape[0], anchors_BN.device
     lo_hi = _row_intervals(anchors_BN, keep_BN, S_t, K, window, QT * TILE)
     # union: +1 at the first tile of each non-empty interval, -1 after its last tile, cumsum > 0
     diff = torch.zeros(B, QT * (KVT + 1), dtype=torch.int32, device=dev)
@@ -131,11 +121,9 @@ def _block_mask(anchors_BN, keep_BN, S_t, K, window, QT, KVT, Q, KV, mask_mod):
     return BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(Q, KV))
 
 
-# On CUDA the whole construction runs as one compiled graph: eager, it is ~60 small kernel launches whose host time
-# the GPU waits for at the start of every step (BENCHMARKS.md: eager vs compiled tile tables vs all compiled).
-# Dynamic shapes: one graph per window value, whatever the sequence length (a KV of one 128-token tile, S + N*K <= 128,
-# is specialized as size 1 and gets one more graph; no real shape is that small). The mask_mod closure is made outside
-# and passed in, as with a compiled create_block_mask.
+# On CUDA one compiled graph: eager, ~60 small kernel launches the GPU waits for at the start of every step
+# (BENCHMARKS.md). Dynamic shapes: one graph per window value, whatever the length (a single KV tile, S + N*K <= 128,
+# is specialized: one more). The mask_mod closure is made outside and passed in, as with a compiled create_block_mask.
 _block_mask_compiled = torch.compile(_block_mask, dynamic=True)
 
 
@@ -154,20 +142,15 @@ def dflash_block_mask(anchors_BN, keep_BN, S, K, window=None, compiled=None):
 
 
 def build_masks(anchors_BN, keep_BN, S, K, layer_types, window, backend):
-    """One mask per distinct layer type: {"full_attention": m, "sliding_attention": m}.
-    backend "flex" -> BlockMask, "sdpa" -> dense bool [B,1,Q,KV]."""
+    """{layer type: its mask} for each distinct type: a BlockMask ("flex") or a dense bool [B,1,Q,KV] ("sdpa")."""
     make = dflash_block_mask if backend == "flex" else dense_mask
     if backend not in ("flex", "sdpa"):
         raise ValueError(f"attention backend must be 'flex' or 'sdpa', got {backend!r}")
-    return {t: make(anchors_BN, keep_BN, S, K, window if t == "sliding_attention" else None)
-            for t in set(layer_types)}
+    return {t: make(anchors_BN, keep_BN, S, K, window if t == "sliding_attention" else None) for t in set(layer_types)}
 
 
-# -----------------------------------------------------------------------------
-# executors
-
-# The compiled flex kernel, once per process (torchrun gives every GPU its own process, so no compiled code is
-# ever shared between threads). Lazy: nothing compiles until the first call.
+# ----------------------------------------------------------------------------- executors
+# The compiled flex kernel, once per process (one per GPU: no compiled code is shared between threads); lazy.
 flex_compiled = torch.compile(flex_attention)
 
 

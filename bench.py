@@ -11,12 +11,17 @@ import statistics
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import eval as ev
 from attention import build_masks, compile_count, configure_compile, dflash_block_mask, flex_compiled
+from data import demo_settings
 from model import DFlashDrafter, DrafterConfig, HeadCE, dflash_loss, sample_anchors
+from pipeline import Capture, GiB, memory_need
+from train import Config, Optimizer
 
 # Qwen3.6-27B text stack (3 Gated-DeltaNet + 1 gated full-attention layer, 16 times), shapes as we know them (checked)
 QWEN36_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
@@ -45,6 +50,7 @@ PRESETS = {  # drafters of 5 layers, block 16; Qwen3.6-27B's (the released z-lab
 }
 H200_PEAK = 989e12  # dense bf16 FLOP/s, datasheet
 ROWS = []  # (case, figure, value, "vs ceiling") for the final table
+ONE_DRAFTER = SimpleNamespace(drafters=[0], drafter_group=None)  # the Dist a single drafter's train.Optimizer reads
 
 
 def table(case):
@@ -233,7 +239,6 @@ def truncate(decoder, keep):
 def bench_target(args):
     if args.no_fla:  # hide flash-linear-attention from transformers' availability check (find_spec -> None)
         sys.modules["fla"] = None
-    from pipeline import Capture
     model, ids, shapes, kernels = build_target(args.model)
     case, dec, ceiling = f"target {args.model} ({kernels})", model.get_decoder(), matmul_ceiling()
     L, keep, row = dec.config.num_hidden_layers, max(ids) + 1, table(case)
@@ -268,15 +273,12 @@ def bench_target(args):
 
 def bench_e2e(args):
     """train.py's colocated step on random data: capture, anchors, dflash_loss, backward, train.Optimizer, syncs."""
-    from types import SimpleNamespace
-    from pipeline import Capture
-    from train import Config, Optimizer
     configure_compile()
     model, layer_ids, _, kernels = build_target(args.model)
     embed, head = model.get_decoder().embed_tokens.weight, model.lm_head.weight
     cap = Capture(truncate(model.get_decoder(), max(layer_ids) + 1), layer_ids)
     drafter = DFlashDrafter(DrafterConfig(**PRESETS[args.model])).to("cuda", torch.bfloat16)
-    optim = Optimizer(Config(num_anchors=args.anchors), drafter, SimpleNamespace(drafters=[0], drafter_group=None))
+    optim = Optimizer(Config(num_anchors=args.anchors), drafter, ONE_DRAFTER)
     S, row, split = args.seq_e2e, table(f"e2e colocated {args.model}"), []  # split: ms of target, drafter per step
 
     def step(i):
@@ -315,7 +317,6 @@ def bench_e2e(args):
 def bench_decode(args):
     """eval.py's decoding loops on a random SmolLM2 (block 16, ~1 token per cycle), bf16, batch 1, twice (the second
     pass repeats every shape), with eval's NO_CUDNN and without ('torch default': cuDNN plans each new key length)."""
-    import eval as ev
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     dev, row = "cuda" if torch.cuda.is_available() else "cpu", table("decode")
@@ -337,22 +338,17 @@ def bench_decode(args):
 
 
 def bench_plan(args):
-    """The start-up check's estimate (pipeline.memory_need, what train.py --plan prints) against the measured peak of
-    train.py's own pieces (a drafter rank: drafter, train.Optimizer with fp32 masters and Adam, dflash_loss on a
-    full-length micro-batch of target states): --preset 27b, its drafter rank at each --seq; --preset smol, the demo
-    on one GPU (SmolLM2 target, capture and drafter in one process, data.demo_settings' cuda settings). One setting
-    per process: compiled layers of another model or shape in the same process would recompile as dynamic."""
-    from types import SimpleNamespace
+    """The start-up estimate (pipeline.memory_need, as train.py --plan prints it) against the measured peak of
+    train.py's own pieces: --preset 27b, a drafter rank (drafter, train.Optimizer, dflash_loss on full-length target
+    states) at each --seq; --preset smol, the demo colocated on one GPU (data.demo_settings' cuda settings). One
+    setting per process: compiled layers of another shape in the same process would recompile as dynamic."""
     from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
-    from data import demo_settings
-    from pipeline import Capture, GiB, memory_need
-    from train import Config, Optimizer
     configure_compile()
     row, gen = table("plan: estimate vs measured peak"), torch.Generator("cuda").manual_seed(0)
 
     def measure(cfg, dcfg, capture=None):  # -> GiB peak allocated over 3 steps, the state of a run included
         drafter = DFlashDrafter(dcfg).to("cuda", torch.bfloat16)
-        optim = Optimizer(cfg, drafter, SimpleNamespace(drafters=[0], drafter_group=None))
+        optim = Optimizer(cfg, drafter, ONE_DRAFTER)
         V, D, B, S = dcfg.vocab_size, dcfg.hidden_size, cfg.batch_size, cfg.max_length
         embed, head = (torch.randn(V, D, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in "eh")
         for _ in range(3):
@@ -417,17 +413,16 @@ def main(argv=None):
     ap.add_argument("what", nargs="?", default="all", choices=list(benches))
     ap.add_argument("--preset", default="27b", choices=list(PRESETS), help="drafter: whose drafter")
     ap.add_argument("--model", default="8b", choices=list(TARGETS), help="target, e2e: the target")
-    ap.add_argument("--seq", default="4096", help="drafter: comma-separated sequence lengths")
-    for flag, default, help in (("--seq_e2e", 3072, None), ("--anchors", 512, None), ("--iters", 8, None),
-                                ("--chunk", 64, "objective chunk, in blocks"), ("--new_tokens", 128, "decode: new tokens"),
-                                ("--case-timeout", 300, "all: seconds per case"),
-                                ("--markov_rank", 0, "drafter: a Markov head of this rank")):
-        ap.add_argument(flag, type=int, default=default, help=help)
+    for flag, default, help in (("--seq", "4096", "drafter: comma-separated sequence lengths"), ("--iters", 8, None),
+                                ("--cases", "", "all: indices into CASES, e.g. 0,1,2; default all but 7"),
+                                ("--json", "", "also write the rows here"), ("--chunk", 64, "objective chunk (blocks)"),
+                                ("--markov_rank", 0, "drafter: a Markov head of this rank"),
+                                ("--case-timeout", 300, "all: seconds per case"), ("--anchors", 512, None),
+                                ("--new_tokens", 128, "decode: new tokens"), ("--seq_e2e", 3072, None)):
+        ap.add_argument(flag, type=type(default), default=default, help=help)  # a str or an int, as its default
     for flag, help in (("--eager", "drafter: layers uncompiled (the 'before')"), ("--breakdown", "drafter"),
                        ("--profile", "drafter"), ("--no-fla", "27b: transformers' torch fallback kernels")):
         ap.add_argument(flag, action="store_true", help=help)
-    ap.add_argument("--cases", default="", help="all: indices into CASES, e.g. 0,1,2; default all but 7")
-    ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
     try:
         benches[args.what](args)

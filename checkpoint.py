@@ -1,8 +1,7 @@
-"""
-The run directory, everything a training run writes and reads back: out_dir/run_name/ holds config.json (the
-resolved config), env.txt (versions, nvidia-smi), init/ (the untrained drafter: eval's baseline), ckpt-<step>/
-(the released-format drafter + train_state.pt), metrics.jsonl (one JSON object per log step), curves.png, and
-done.json once the run is over. Checkpoints are written aside and renamed, so a crash never leaves a torn one.
+"""The run directory, everything a training run writes and reads back: out_dir/run_name/ holds config.json (the resolved
+config), env.txt (versions, nvidia-smi), init/ (the untrained drafter: eval's baseline), ckpt-<step>/ (the
+released-format drafter + train_state.pt), metrics.jsonl (one JSON object per log step), curves.png, and done.json once
+the run is over. Checkpoints are written aside and renamed, so a crash never leaves a torn one.
 
 Test: python -m pytest -q tests/test_reliability.py
 """
@@ -17,15 +16,14 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
 from model import save_drafter
 
-# -----------------------------------------------------------------------------
-# the run directory
 
-
+# ----------------------------------------------------------------------------- the run directory
 def write_run_info(run_dir, cfg, d, dcfg):
     import transformers
     os.makedirs(run_dir, exist_ok=True)
@@ -51,18 +49,13 @@ def warn_config_changes(cfg, state):
         print(f"WARNING resume: config differs from the checkpoint's: {', '.join(changed)}", flush=True)
 
 
-def open_run_dir(d, run_dir, drafter, resumed_at):
-    """The leader prepares the run directory: a fresh run saves init/ (the untrained drafter: eval's baseline) and
-    starts metrics.jsonl anew; a resumed one drops the metrics lines past its checkpoint (those steps are redone).
-    done.json goes: a run resumed past an earlier end is not done."""
+def open_run_dir(run_dir, drafter, resumed_at):
+    """The leader's start: a fresh run saves init/ and starts metrics.jsonl anew; a resumed one drops the metrics lines
+    past its checkpoint (those steps are redone). done.json goes: a run resumed past its end is not done."""
     metrics = os.path.join(run_dir, "metrics.jsonl")
-    if not d.leader:
-        return
-    if os.path.exists(os.path.join(run_dir, "done.json")):
-        os.remove(os.path.join(run_dir, "done.json"))
+    Path(run_dir, "done.json").unlink(missing_ok=True)
     if resumed_at is None:
-        if os.path.exists(metrics):
-            os.remove(metrics)
+        Path(metrics).unlink(missing_ok=True)
         save_drafter(drafter, os.path.join(run_dir, "init"))
     elif os.path.exists(metrics):
         with open(metrics) as f:
@@ -82,13 +75,9 @@ def write_done(run_dir, total, bad_steps, streak, last_good):
           f"; checkpoints in {run_dir}", flush=True)
 
 
-# -----------------------------------------------------------------------------
-# checkpoints: ckpt-<step>/ = the released-format drafter + train_state.pt (fp32 masters, optimizer state, step)
-
-
+# ------------------ checkpoints: ckpt-<step>/ = the released-format drafter + train_state.pt (masters, optimizer, step)
 def list_ckpts(run_dir):
-    """Complete checkpoints, oldest first: exactly ckpt-<7 digits>. A .tmp is a write in progress (or killed),
-    a .old one being replaced or pruned; neither is ever resumed from."""
+    """Complete checkpoints, oldest first: exactly ckpt-<7 digits>, never a .tmp (a write) or a .old (being removed)."""
     if not os.path.isdir(run_dir):
         return []
     return sorted(c for c in os.listdir(run_dir) if c.startswith("ckpt-") and c[5:].isdigit())
@@ -103,10 +92,9 @@ def _fsync(path):  # a file or a directory: on disk, not just in the page cache,
 
 
 def save_checkpoint(run_dir, step, drafter, optim, cfg, micro, bad_steps=0):
-    """Released-format drafter + train_state.pt, written into ckpt-<step>.tmp, flushed, then renamed: a crash or a
-    full disk at any point leaves every earlier complete checkpoint intact (a failed write removes its .tmp and
-    raises). Only after the rename are the oldest pruned beyond keep_ckpts. train_state.pt holds only tensors,
-    numbers, strings, lists and dicts, so resuming loads it with torch.load(weights_only=True)."""
+    """Released-format drafter + train_state.pt (tensors and plain containers only), written into ckpt-<step>.tmp,
+    flushed, renamed: a crash or a full disk at any point leaves every earlier checkpoint intact (a failed write
+    removes its .tmp and raises). Only after the rename are the oldest pruned beyond keep_ckpts."""
     final = os.path.join(run_dir, f"ckpt-{step:07d}")
     tmp, old = final + ".tmp", final + ".old"
     for c in os.listdir(run_dir):  # leftovers of a killed write (only this process, the leader, writes here)
@@ -135,9 +123,8 @@ def save_checkpoint(run_dir, step, drafter, optim, cfg, micro, bad_steps=0):
 
 
 def resume_point(cfg, run_dir):
-    """-> (checkpoint path, its train state) to resume from, or (None, None) for a fresh run. --resume=auto takes
-    the newest checkpoint that is complete and loadable and says which newer ones it passed over (a checkpoint is
-    published whole by a rename, but a disk or a copy can still damage it); an explicit --resume must be sound."""
+    """-> (checkpoint path, its train state), or (None, None) for a fresh run. --resume=auto takes the newest loadable
+    checkpoint, saying which newer ones it passed over (a disk or a copy can damage one); an explicit one must load."""
     if cfg.resume != "auto":
         return (cfg.resume, load_train_state(cfg.resume)) if cfg.resume else (None, None)
     for name in reversed(list_ckpts(run_dir)):
@@ -150,9 +137,8 @@ def resume_point(cfg, run_dir):
 
 
 def load_train_state(ckpt):
-    """train_state.pt through torch.load(weights_only=True): tensors and plain containers only, so a tampered or
-    foreign file cannot run code. Tensors land on the CPU (a CUDA run saved them on the leader's GPU). The drafter's
-    files must be there and whole too. Raises ValueError saying what is missing, torn, or refused."""
+    """train_state.pt through torch.load(weights_only=True), so a tampered or foreign file cannot run code, onto the
+    CPU; the drafter's files must be whole too. Raises ValueError saying what is missing, torn, or refused."""
     from safetensors import safe_open
     missing = [f for f in ("config.json", "model.safetensors", "train_state.pt")
                if not os.path.isfile(os.path.join(ckpt, f))]
@@ -195,10 +181,8 @@ def lock_run_dir(run_dir):
     f.flush()
     return f
 
-# -----------------------------------------------------------------------------
-# logs: one human line and one metrics.jsonl record per log step, curves.png at each checkpoint
 
-
+# ------------------------ logs: one human line and one metrics.jsonl record per log step, curves.png at each checkpoint
 def log_line(d, run_dir, step, total, s, gnorm, lr, dt, recompiles, bad_steps=0, eta_s=0.0):
     s = {k: (v.item() if v.numel() == 1 else v) for k, v in s.items()}
     correct, count = s["correct_K"], s["count_K"]
@@ -217,10 +201,10 @@ def log_line(d, run_dir, step, total, s, gnorm, lr, dt, recompiles, bad_steps=0,
     print(f"step={step}/{total} loss={rec['loss']:.4f} acc={rec['acc']:.3f} tau_est={rec['tau_est']:.2f} "
           f"lr={lr:.2e} gnorm={gnorm:.2f} tok/s={rec['tok_s']:.0f} target_busy={t_busy:.0%} "
           f"drafter_busy={d_busy:.0%} mem={mem:.1f}GB eta={datetime.timedelta(seconds=round(eta_s))} | "
-          f"capacity seq/s/GPU target={cap_t:.2f} "
-          f"drafter={cap_d:.2f}" + ("" if d.world == 1 else f" -> balanced split {balance:.1f}:{d.world - balance:.1f}")
-          + (f" RECOMPILES={recompiles}" if recompiles else "")
-          + (f" SKIPPED_STEPS={bad_steps}" if bad_steps else ""), flush=True)
+          f"capacity seq/s/GPU target={cap_t:.2f} drafter={cap_d:.2f}"
+          + ("" if d.world == 1 else f" -> balanced split {balance:.1f}:{d.world - balance:.1f}")
+          + (f" RECOMPILES={recompiles}" if recompiles else "") + (f" SKIPPED_STEPS={bad_steps}" if bad_steps else ""),
+          flush=True)
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(rec) + "\n")
 
@@ -237,16 +221,12 @@ def log_skipped(run_dir, step, total, loss, gnorm, streak, bad_steps, max_bad):
 
 
 def plot_curves(run_dir):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no global backend state, renders headless (Agg)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [r for r in map(json.loads, f) if not r.get("skipped")]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
-    for ax, key in zip(axes, ("loss", "acc", "tau_est")):
+    fig = Figure(figsize=(13, 3.5))
+    for ax, key in zip(fig.subplots(1, 3), ("loss", "acc", "tau_est")):
         ax.plot([r["step"] for r in rows], [r[key] for r in rows])
-        ax.set_title(key)
-        ax.set_xlabel("step")
+        ax.set(title=key, xlabel="step")
     fig.tight_layout()
     fig.savefig(os.path.join(run_dir, "curves.png"), dpi=100)
-    plt.close(fig)

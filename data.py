@@ -1,10 +1,8 @@
-"""
-Training data for the DFlash drafter: conversations (JSONL or one JSON array; OpenAI `messages` or ShareGPT
+"""Training data for the DFlash drafter: conversations (JSONL or one JSON array; OpenAI `messages` or ShareGPT
 `conversations`) -> token ids + a loss mask (1 exactly on assistant content and its end-of-turn token) through the
-target's chat template; a broken record is an error `file:line: reason`, or with skip_invalid skipped and counted.
-So is a content holding a special or added token of the tokenizer as text (`<|im_end|>`, ...): it would be tokenized
-as that control token and supervised. Also: the tokenized cache, `Batcher`, `regenerate` (answers rewritten by the
-target: the "largest single lever on acceptance length", SpecForge / DFlash authors), the demo corpus.
+target's chat template; a broken record is an error `file:line: reason`, or with skip_invalid skipped and counted. Also:
+the tokenized cache, `Batcher`, `regenerate` (answers rewritten by the target: the "largest single lever on acceptance
+length", SpecForge / DFlash authors), the demo corpus.
 
   python data.py demo --device cpu                     # convert target, prompts, regenerate (cached)
   python data.py regenerate --model DIR_OR_GGUF --data in.jsonl --out out.jsonl --device cuda  # all GPUs
@@ -35,8 +33,7 @@ ROLES = {"system": "system", "user": "user", "human": "user",
 # a turn holding one with another value than these is refused, never trained on without it
 UNREAD_FIELDS = {"tool_calls": (None, []), "function_call": (None,), "reasoning_content": (None, ""),
                  "weight": (None, 1)}
-# a record is bounded before it is rendered and tokenized, which take ~170 bytes per character (a 16 MB answer
-# needed 2.75 GB): one past a limit is refused, never truncated
+# bounds checked before rendering and tokenizing, which take ~170 bytes per character: past one, refused, not truncated
 MAX_RECORD_CHARS = 1_000_000  # characters of content, all turns
 MAX_TURNS = 10_000  # each turn adds the template's own text
 MAX_LINE_BYTES = 16 << 20  # a longer JSONL line is refused unparsed: room for MAX_RECORD_CHARS as \u escapes
@@ -192,8 +189,9 @@ def _normalize(obj, require_assistant=True):
 
 
 def _read(path, report, skip_invalid=False, require_assistant=True, tokenizer=None, check=lambda msgs: None):
-    """Yield (line, raw object, messages, check(messages)) per valid record; a bad record (check may raise one too; a
-    tokenizer's control token as text is one) raises ValueError('file:line: reason'), or skip_invalid counts it."""
+    """Yield (line, raw object, messages, check(messages)) per valid record; a bad record raises ValueError('file:line:
+    reason'), or skip_invalid counts it. check may raise one too; so does a special or added token of the tokenizer
+    held as text (`<|im_end|>`, ...): it would be tokenized as that control token and supervised."""
     toks = (set(tokenizer.all_special_tokens) | {t.content for t in tokenizer.added_tokens_decoder.values()}
             if tokenizer else set())
     controls = re.compile("|".join(map(re.escape, sorted(toks - {""}, key=len, reverse=True))) or "(?!)")
@@ -233,11 +231,10 @@ def _render(tokenizer, messages, generation_prompt, template_kwargs):
 
 def tokenize_conversation(tokenizer, messages, max_length, **template_kwargs):
     """-> (input_ids, loss_mask) as lists, right-truncated to max_length; the mask is 1 on every token overlapping an
-    answer or its end-of-turn token (`<|im_end|>`), not on the template's "\\n" after it (unlike SpecForge's
-    `<|im_end|>\\n`: serving stops at eos, the drafter never has to propose it). The answers are placed by a second
-    render with each replaced by a marker (its index between private-use characters the text lacks): the text must
-    read template, answer, template, ... exactly, so every answer is found in its own turn (never in an earlier turn
-    holding the same words), in two renders whatever the number of turns, or the record is refused."""
+    answer or its end-of-turn token (`<|im_end|>`), not on the template's "\\n" after it (serving stops at eos: the
+    drafter never has to propose it, unlike SpecForge's `<|im_end|>\\n`). A second render, each answer replaced by a
+    marker (its index between private-use characters the text lacks), places the answers: the text must read template,
+    answer, template, ... exactly (each answer found in its own turn, in two renders), or the record is refused."""
     text = _render(tokenizer, messages, False, template_kwargs)
     mk = next((chr(x) for x in range(0xE000, 0xF900) if chr(x) not in text), "\ue000")
     probe = [dict(m, content=f"{mk}{i}{mk}") if m["role"] == "assistant" else m for i, m in enumerate(messages)]
@@ -301,8 +298,8 @@ def cache_key(path, tokenizer, max_length, template_kwargs, skip_invalid=False):
 
 
 def load_tokenized(path, tokenizer, max_length, cache_dir=None, skip_invalid=False, **template_kwargs):
-    """Tokenize `path` (or load it from cache_dir/tok-<key>/) -> Tokenized, memory-mapped from disk; cache_dir=None
-    tokenizes in memory. Prints the read/skip summary either way."""
+    """Tokenize `path` -> Tokenized, memory-mapped from cache_dir/tok-<key>/ (made once; None: in memory); prints the
+    read/skip summary."""
     out = (Path(cache_dir) / f"tok-{cache_key(path, tokenizer, max_length, template_kwargs, skip_invalid)}"
            if cache_dir else None)
     if out is not None and (out / "meta.json").exists():
@@ -338,9 +335,9 @@ def load_tokenized(path, tokenizer, max_length, cache_dir=None, skip_invalid=Fal
 
 # ----------------------------------------------------------------------------- batching
 class Batcher:
-    """Endless, deterministic, length-bucketed batches: each epoch permutes the sequences (rng(seed, epoch)), drops
-    what does not fill a batch, sorts windows of BUCKET_BATCHES batches by length and shuffles the batches. The cursor
-    (epoch, step) is all the state: set it and the same batches follow (train.py resumes, spreads ranks so)."""
+    """Endless, deterministic, length-bucketed batches: each epoch permutes the sequences (rng(seed, epoch)), drops what
+    does not fill a batch, sorts windows of BUCKET_BATCHES batches by length and shuffles the batches. The cursor
+    (epoch, step) is all the state: set it and the same batches follow (how train.py resumes and spreads ranks)."""
     def __init__(self, data, batch_size, seed=0, pad_id=0, pad_multiple=128):
         self.data, self.B, self.seed, self.pad_id, self.pad_multiple = data, batch_size, seed, pad_id, pad_multiple
         self.lengths, self.steps_per_epoch = np.diff(np.asarray(data.offsets)), len(data) // batch_size
@@ -441,7 +438,7 @@ def load_target(path, device="cpu", dtype=None):
 def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs, max_batch_tokens=131072, temperature=0.0):
     """Greedy (or plain-softmax sampled) answers, cut before eos or any other control token -> (answers, #tokens,
     #unfinished, #prompts + max_new_tokens past the context). Sub-batches by length hold <= max_batch_tokens padded
-    tokens: one long prompt never pads a whole batch (chitchat has 24k-token prompts: 256 rows would need 100+ GiB)."""
+    tokens: one long prompt (chitchat has 24k-token ones) never pads a whole batch."""
     texts = [_render(tokenizer, p, True, template_kwargs) for p in prompts]
     lengths = [len(x) for x in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     context = getattr(model.config, "max_position_embeddings", None) or float("inf")
@@ -470,8 +467,8 @@ def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs, max_ba
 def regenerate(model, tokenizer, in_path, out_path, batch_size=16, max_new_tokens=512, rank=0, world=1,
                skip_invalid=False, temperature=0.0, seed=0, **template_kwargs):
     """Rewrite every assistant turn of `in_path` in order, given the regenerated history, with the target's greedy
-    answer (temperature > 0: sampled, seeded by record so a resumed run samples the same), appending one to a bare
-    prompt. Records rank::world go, a batch at a time, to `<out>.part{rank}of{world}`; a rerun resumes there."""
+    answer (temperature > 0: sampled, seeded by record), appending one to a bare prompt. Records rank::world go, a
+    batch at a time, to `<out>.part{rank}of{world}`; a rerun resumes there."""
     report = Report(in_path)  # a conversation the template would refuse at generation is refused at reading
     recs = _read(in_path, report, skip_invalid, False, tokenizer,
                  lambda m: _render(tokenizer, m, m[-1]["role"] != "assistant", template_kwargs))
@@ -563,8 +560,8 @@ def _regen_worker(rank, world, model_path, in_path, out_path, device, kw):
 
 
 def regenerate_file(model_path, in_path, out_path, device="cpu", procs=None, **kw):
-    """Regenerate in_path into out_path (skipped if it exists; a rerun resumes) in `procs` processes (default: one per
-    visible GPU with device="cuda", else 1), each on a disjoint shard: no process group, a merge at the end."""
+    """Regenerate in_path into out_path (skipped if it exists; a rerun resumes) in `procs` processes on disjoint shards
+    (default: one per visible GPU with device="cuda", else 1), merged at the end."""
     if Path(out_path).exists():
         print(f"{out_path} exists, skipping regeneration")
     else:
@@ -604,15 +601,14 @@ def prompt_key(messages):
 
 
 def training_prompt_keys(path):
-    """prompt_key of every prompt a training file contains: each conversation's prefix up to every user turn (what a
-    held-out prompt must not be). Broken records are skipped: only the prompts matter here."""
+    """prompt_key of every prompt in a training file: each conversation's prefix up to every user turn (broken
+    records skipped: only the prompts matter)."""
     convs = read_conversations(path, skip_invalid=True, require_assistant=False)[0]
     return {prompt_key(c[:i + 1]) for c in convs for i, m in enumerate(c) if m["role"] == "user"}
 
 
 def unique_prompts(lines, n, exclude=frozenset()):
-    """The first n JSONL prompt lines whose prompt_key is new and not in `exclude` -> (kept lines, repeats skipped,
-    excluded skipped), counted up to the n-th kept line."""
+    """The first n JSONL prompt lines whose prompt_key is new and not in `exclude` -> (kept, repeats, excluded)."""
     kept, seen, dup, excluded = [], set(), 0, 0
     for line in lines:
         if len(kept) == n:
@@ -665,7 +661,7 @@ def demo_settings(device, world=1):
 def prepare_demo(cache_dir=None, n_train=None, n_eval=None, max_new_tokens=None, device="cpu", batch_size=None,
                  gguf=None, samples=None, sample_temperature=None):
     """Build (or find) the demo corpus -> {"target", "train", "eval", "mask_token_id"}; sizes left None: demo_settings.
-    samples > 0 adds that many answers per train prompt sampled at sample_temperature: more text from the prompts."""
+    samples > 0 adds that many answers per train prompt, sampled at sample_temperature."""
     given = dict(locals())  # the arguments, by name
     s = {k: v if given.get(k) is None else given[k] for k, v in demo_settings(device)["corpus"].items()}
     if s["samples"] > 0 and not s["sample_temperature"] > 0:
@@ -673,9 +669,8 @@ def prepare_demo(cache_dir=None, n_train=None, n_eval=None, max_new_tokens=None,
                          f"(the greedy answers are already in the corpus)")
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     target = convert_gguf(gguf or smollm2_gguf(), cache / "smollm2-135m-instruct")
-    # distinct prompts only: chitchat repeats greetings ("hello?" is 224 of the first 3,000 train prompts), and greedy
-    # answers to a repeated prompt repeat too. Held-out prompts are also never the text of any train prompt: the
-    # split is by conversation, so without this 41% of the first 128 held-out prompts were seen in training.
+    # distinct prompts only (chitchat repeats greetings, and greedy answers to a repeated prompt repeat too); no
+    # held-out prompt is the text of a train prompt (the split is by conversation: 41% were, without this)
     pools, subsets = [_jsonl_lines(f) for f in write_chitchat(cache)[1:]], {}
     for name, pool, exclude in (("train", pools[0], set()),
                                 ("eval", pools[1], {prompt_key(json.loads(x)["messages"]) for x in pools[0]})):
@@ -700,8 +695,7 @@ def prepare_demo(cache_dir=None, n_train=None, n_eval=None, max_new_tokens=None,
                                       temperature=s["sample_temperature"], **kw)
             _write_atomic(train, _jsonl_lines(greedy) + _jsonl_lines(sampled))
             os.remove(src)
-    # files are named by their sizes (a CPU and a GPU corpus can share a cache); fixed names point at the latest
-    # build, for configs that want one path
+    # files are named by their sizes (a CPU and a GPU corpus can share a cache); fixed names link the latest build
     for link, dst in ((cache / "chitchat_train.jsonl", train), (cache / "chitchat_eval.jsonl", subsets["eval"])):
         (tmp := link.with_suffix(f".tmp{os.getpid()}")).symlink_to(dst.name)
         os.replace(tmp, link)

@@ -52,8 +52,7 @@ def crop(cache, length):
 
 
 def draft(drafter, target, block_1K, new_hidden_1TC, cache, start, temperature, generator):
-    """One drafter call -> (draft tokens for block offsets 1..K-1 [1, K-1], cache of 0..start-1).
-    A seam: tests replace it with an oracle or a saboteur to check the acceptance counting."""
+    """One drafter call -> (drafts for block offsets 1..K-1 [1, K-1], cache of 0..start-1); tests replace it."""
     x_1KD = F.embedding(block_1K, target.get_input_embeddings().weight)  # raw rows, exactly as dflash_loss embeds
     h_1KD, cache = drafter.forward_cached(x_1KD, new_hidden_1TC, cache, start)
     logits = target.get_output_embeddings()(h_1KD[:, 1:])  # offset 0 is the clean anchor: its output is unused
@@ -81,10 +80,9 @@ def _clock(dev, times=None, key=None, t0=0.0):
 @sdpa_kernel(NO_CUDNN)
 def spec_decode(target, drafter, prompt_ids, max_new, block_size, eos, temperature=0.0, generator=None, times=None):
     """-> (new token ids, the first included, cut at the first EOS (kept) and at max_new; per verify cycle: tokens
-    accepted + 1, and tokens of it in that output). The loop is the authors' benchmark loop (z-lab/dflash
-    `dflash_generate`, the one behind the paper's figures): full blocks to the end, a cycle while fewer than
-    max_new + 1 tokens are out, the stop check after each cycle (so a first token that is EOS still gets one), every
-    cycle counted whole. times: seconds added under prefill / draft / verify / other (each phase ends in a sync)."""
+    accepted + 1, and tokens of it in that output). The authors' benchmark loop (z-lab/dflash `dflash_generate`):
+    full blocks to the end, a cycle while fewer than max_new + 1 tokens are out, the stop check after each cycle (a
+    first token that is EOS still gets one), every cycle counted whole. times: seconds added per phase (synced)."""
     dev, K = target.device, block_size
     t = _clock(dev) if times is not None else 0.0
     out = target(input_ids=torch.tensor([prompt_ids], device=dev), use_cache=True, output_hidden_states=K > 1,
@@ -177,20 +175,14 @@ def evaluate(target, tokenizer, drafter, prompts, max_new_tokens=256, temperatur
         spec_decode(target, drafter, prompts[0], min(max_new_tokens, 2 * K), K, eos, temperature, gen(0))
         plain_decode(target, prompts[0], min(max_new_tokens, 2 * K), eos, temperature, gen(0))
     ref = functools.cache(lambda: target if dtype == torch.float32 else copy.deepcopy(target).float())
-    c = dict(accept_hist=[0] * K, pos_accept_counts=[0] * (K - 1), pos_seen_counts=[0] * (K - 1), new_tokens=0,
-             spec_s=0.0, plain_tokens=0, plain_s=0.0, time_s=dict.fromkeys(TIME_KEYS, 0.0), per_prompt=[],
-             divergences=[])
+    c = dict(new_tokens=0, spec_s=0.0, plain_tokens=0, plain_s=0.0, time_s=dict.fromkeys(TIME_KEYS, 0.0),
+             per_prompt=[], divergences=[])
     for i, p in zip(range(len(prompts)) if indices is None else indices, prompts):
         t0 = _clock(dev)
         out, lengths, committed = spec_decode(target, drafter, p, max_new_tokens, K, eos, temperature, gen(i),
                                               c["time_s"])
         c["spec_s"] += _clock(dev) - t0
         c["new_tokens"] += len(out)
-        for n in lengths:
-            c["accept_hist"][n - 1] += 1
-            for j in range(1, K):  # every offset is verified; offset j accepted iff all drafts up to j matched
-                c["pos_seen_counts"][j - 1] += 1
-                c["pos_accept_counts"][j - 1] += n > j
         c["per_prompt"].append(dict(prompt_tokens=len(p), new_tokens=len(out), cycles=len(lengths),
                                     tau=sum(lengths) / max(len(lengths), 1), lengths=lengths, committed=committed,
                                     tau_committed=sum(committed) / max(sum(n > 0 for n in committed), 1)))
@@ -215,9 +207,12 @@ def _merge(parts):
     n, total = len(parts), sum(len(r["per_prompt"]) for r in parts)
     per_prompt = [parts[i % n]["per_prompt"][i // n] for i in range(total)]
     divergences = sorted((d for r in parts for d in r["divergences"]), key=lambda d: d["prompt"])
-    # accept_hist[L-1]: cycles that accepted L-1 drafts (as the authors count, every cycle whole); spec_s: time_s's
-    c = {k: [sum(x) for x in zip(*(r[k] for r in parts))] for k in ("accept_hist", "pos_accept_counts",
-                                                                    "pos_seen_counts")}
+    K, lengths = parts[0]["config"]["block_size"], [n for r in per_prompt for n in r["lengths"]]  # per verify cycle
+    # accept_hist[L-1]: cycles that accepted L-1 drafts (every cycle counted whole, as the authors count); every
+    # offset of every cycle is verified, and offset j is accepted iff all drafts up to j matched
+    c = dict(accept_hist=[lengths.count(L) for L in range(1, K + 1)],
+             pos_accept_counts=[sum(n > j for n in lengths) for j in range(1, K)],
+             pos_seen_counts=[len(lengths)] * (K - 1))
     c.update({k: sum(r[k] for r in parts) for k in ("new_tokens", "spec_s", "plain_tokens", "plain_s")})
     c["time_s"] = {k: sum(r["time_s"][k] for r in parts) for k in TIME_KEYS}
     spec_tps = c["new_tokens"] / c["spec_s"]
@@ -231,10 +226,9 @@ def _merge(parts):
 
 
 def tau_figures(per_prompt, suffix=""):
-    """tau: the authors' count (accepted + 1 every cycle), the mean of per-prompt means as their benchmark prints
-    it, with a bootstrap 95% interval over prompts (2,000 resamples, seeded); tau_committed: only the tokens that end
-    up in the output, over the cycles that gave any (stricter: no credit past EOS or max_new). _pooled: over all
-    cycles of all prompts instead of per prompt."""
+    """tau: the authors' count (accepted + 1 every cycle), the mean of per-prompt means, with a bootstrap 95% interval
+    over prompts (2,000 resamples, seeded); tau_committed: only the tokens that end up in the output, over the cycles
+    that gave any (no credit past EOS or max_new). _pooled: over all cycles of all prompts instead of per prompt."""
     n, pooled = max(len(per_prompt), 1), lambda xs: sum(map(sum, xs)) / max(sum(map(len, xs)), 1)
     taus = torch.tensor([float(r["tau"]) for r in per_prompt] or [0.0], dtype=torch.float64)
     boot = taus[torch.randint(len(taus), (2000, len(taus)), generator=torch.Generator().manual_seed(0))].mean(1)
@@ -246,7 +240,7 @@ def tau_figures(per_prompt, suffix=""):
 
 
 def _worker(k, n, target_path, drafter_path, prompts, device, dtype, kw, out_dir):
-    """Worker k of n: load its own target and drafter, decode prompts k::n, write its results to out_dir/k.json."""
+    """Worker k of n: its own target and drafter, prompts k::n, results written to out_dir/k.json."""
     if torch.device(device).type == "cpu":  # share the cores instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
     target, tok = data.load_target(target_path, device, dtype)
@@ -326,8 +320,7 @@ def write_results(res, out_dir):
     return jpath, ppath
 
 
-def _unloadable(ckpt):
-    """Why the drafter files of `ckpt` do not load, or None if they do."""
+def _unloadable(ckpt):  # why the drafter files of `ckpt` do not load, or None if they do
     try:
         load_drafter(ckpt)
     except Exception as e:  # a file absent (FileNotFoundError), a torn safetensors header, config and weights apart

@@ -1,5 +1,4 @@
-"""
-The DFlash drafter in plain torch, its released checkpoint format, and its training objective.
+"""The DFlash drafter in plain torch, its released checkpoint format, and its training objective.
 
 A drafter (DFlash, arXiv 2602.06036) is a few Qwen3-style decoder layers. It reads the frozen target's
 hidden states at `target_layer_ids`, fuses them once (fc + hidden_norm) into context features, and every layer
@@ -24,10 +23,8 @@ import torch.nn.functional as F
 
 from attention import attend, build_masks
 
-# -----------------------------------------------------------------------------
-# helpers: RMSNorm and rotary embedding, both as Qwen3/HF compute them
 
-
+# ------------------------------------------------- helpers: RMSNorm and rotary embedding, both as Qwen3/HF compute them
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -42,8 +39,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim, theta, scaling=None):
-    """Inverse frequencies in fp32, as HF and the serving engines compute them (bf16 ones would not match). Supports
-    the rope types a DFlash drafter config carries in practice; anything else is an error, never an approximation."""
+    """Inverse frequencies in fp32, as HF and the serving engines compute them (bf16 ones would not match). Another
+    rope type than these is an error, never an approximation."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
@@ -75,10 +72,7 @@ def apply_rope(x_BHTd, cos_BTd, sin_BTd):
     return x_BHTd * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-# -----------------------------------------------------------------------------
-# attention with KV injection, MLP, decoder layer
-
-
+# ---------------------------------------------------------------------- attention with KV injection, MLP, decoder layer
 class DFlashAttention(nn.Module):
     def __init__(self, cfg, layer_type):
         super().__init__()
@@ -113,9 +107,9 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.H * self.hd))
 
     def forward_cached(self, x_BKD, ctx_new_BTD, cache_kv, rope_ctx, rope_blk, sliding_mask):
-        """Inference (eval.py): extend the context cache with new verified positions, attend one block over
-        [cached context ; block], keep only the context in the cache. rope_ctx / rope_blk: (cos, sin) of the new
-        context and the block positions; sliding_mask: [K, start+K] bool or None; all three shared by every layer."""
+        """Inference (eval.py): extend the context cache with new verified positions, attend one block over [cached
+        context ; block], cache only the context. rope_ctx / rope_blk: (cos, sin) of the new context and the block
+        positions; sliding_mask: [K, start+K] bool or None; all three shared by every layer."""
         B, K, _ = x_BKD.shape
         k_new, v_new = self.project_kv(ctx_new_BTD, *rope_ctx)
         if cache_kv is not None:
@@ -163,17 +157,13 @@ def _layer_call(layer, x, ctx, cos, sin, mask):
     return layer(x, ctx, cos, sin, mask)
 
 
-# The training forward of a decoder layer, compiled on CUDA: eager, every RMSNorm (fp32 upcast), RoPE, SwiGLU and
-# residual is its own pass over a [B, N*K, D] tensor, in forward and again in backward; inductor fuses them into
-# the matmul epilogues and a few kernels (BENCHMARKS.md: before/after). The layer is an argument, so the layers
-# of one type share one graph (their weights are graph inputs): one graph per layer type, plus one more each once
-# the sequence length turns dynamic. Flex attention is traced inside the same graph.
+# A decoder layer's training forward, compiled on CUDA: inductor fuses the norms, RoPE, SwiGLU and residuals (each its
+# own pass over [B, N*K, D] eagerly) into the matmuls (BENCHMARKS.md), flex attention inside. The layer is an argument:
+# layers of one type share one graph (weights are inputs), plus one once the sequence length turns dynamic.
 _layer_compiled = torch.compile(_layer_call)
 
-# -----------------------------------------------------------------------------
-# config: exactly what the released config.json holds (the fields the authors' code, vLLM and SGLang read)
 
-
+# ------------- config: exactly what the released config.json holds (the fields the authors' code, vLLM and SGLang read)
 @dataclass
 class DrafterConfig:
     hidden_size: int = 576
@@ -212,46 +202,32 @@ class DrafterConfig:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
 
     def to_json_dict(self):
-        sliding = "sliding_attention" in self.layer_types
-        # with a Markov head the checkpoint is a DSpark drafter as vLLM (`method: "dspark"`, found by this
-        # architecture) and SGLang read one: the head's rank, the vanilla head, no confidence head, and our block
-        # layout (offset 0 holds the anchor and predicts nothing: sample_from_anchor false)
+        def own(*names):  # these fields as they are
+            return {n: getattr(self, n) for n in names}
+        # a Markov head makes it a DSpark drafter as vLLM (`method: "dspark"`) and SGLang read one: the rank, a vanilla
+        # head, no confidence head, our block layout (offset 0 holds the anchor, predicts nothing: sample_from_anchor)
         head = {"markov_rank": self.markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": False,
                 "sample_from_anchor": False, "mask_token_id": self.mask_token_id,
                 "target_layer_ids": list(self.target_layer_ids)} if self.markov_rank else {}
         return {
             # no auto_map: the engines register these names themselves
             "architectures": ["Qwen3DSparkModel" if self.markov_rank else "DFlashDraftModel"], **head,
-            "model_type": "qwen3",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "attention_bias": self.attention_bias,
-            "attention_dropout": 0.0,
+            "model_type": "qwen3", **own("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                         "num_key_value_heads", "head_dim"),
+            "hidden_act": "silu", **own("rms_norm_eps", "attention_bias"), "attention_dropout": 0.0,
             "initializer_range": self.initializer_range,
             # rope_theta stays top level: the authors' MLX loader reads it as a required key; vLLM reads
             # rope_parameters (transformers 5 spelling, which wins over rope_theta there): both say the same
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
+            **own("rope_theta", "rope_scaling"),
             "rope_parameters": {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta},
-            "max_position_embeddings": self.max_position_embeddings,
-            "vocab_size": self.vocab_size,
-            "tie_word_embeddings": False,
+            **own("max_position_embeddings", "vocab_size"), "tie_word_embeddings": False,
             # written explicitly: Qwen3Config would otherwise derive them from use_sliding_window/max_window_layers
-            "layer_types": list(self.layer_types),
-            "use_sliding_window": sliding,
-            "sliding_window": self.sliding_window,
-            "max_window_layers": self.num_hidden_layers,
-            "dtype": "bfloat16",
-            "torch_dtype": "bfloat16",  # transformers 4.x spelling (the authors pin 4.57.1)
+            "layer_types": list(self.layer_types), "use_sliding_window": "sliding_attention" in self.layer_types,
+            "sliding_window": self.sliding_window, "max_window_layers": self.num_hidden_layers,
+            "dtype": "bfloat16", "torch_dtype": "bfloat16",  # torch_dtype: transformers 4.x (the authors pin 4.57.1)
             "use_cache": True,
-            "block_size": self.block_size,  # the authors' loaders read it here, SGLang in dflash_config first
-            "num_target_layers": self.num_target_layers,
+            # the authors' loaders read block_size here, SGLang in dflash_config first
+            **own("block_size", "num_target_layers"),
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
                               "block_size": self.block_size},
         }
@@ -271,9 +247,7 @@ class DrafterConfig:
                   block_size=dc.get("block_size", d.get("block_size", 16)))
         if not d.get("use_sliding_window", True):
             d["sliding_window"] = None
-        for name in cls.__dataclass_fields__:
-            if name in kw:
-                continue
+        for name in [n for n in cls.__dataclass_fields__ if n not in kw]:
             if name in d:
                 kw[name] = d[name]
             elif name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -294,15 +268,13 @@ def build_target_layer_ids(num_target_layers, n):
 
 def drafter_config_from_target(target_config, tokenizer=None, num_layers=5, num_target_features=None,
                                block_size=16, mask_token=None, layer_types=None, sliding_window=None, **overrides):
-    """Derive a drafter config from any HF causal-LM config (nested text_config ok) and its tokenizer.
-    Sizes, heads, rope, vocab come from the target; target_layer_ids by the released rule (K = num_layers unless
-    num_target_features says otherwise). Mask token: an explicit `mask_token` (token string or id) wins; else the
-    tokenizer's own mask token; else the released convention, the first unused embedding row = len(tokenizer)
-    (what add_special_tokens({"mask_token": "<|MASK|>"}) would give). A target with no free row (SmolLM2) needs
+    """A drafter config from any HF causal-LM config (nested text_config ok) and its tokenizer: sizes, heads, rope,
+    vocab from the target; target_layer_ids by the released rule (K = num_layers unless num_target_features says
+    otherwise). Mask token: an explicit `mask_token` (token string or id); else the tokenizer's mask token; else the
+    released convention, the first unused embedding row = len(tokenizer). A target with no free row (SmolLM2) needs
     an explicit token that chat data never contains, e.g. "<empty_output>"."""
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    L = tc.num_hidden_layers
-    vocab = tc.vocab_size
+    L, vocab = tc.num_hidden_layers, tc.vocab_size
     if mask_token is not None:
         mask_id = tokenizer.convert_tokens_to_ids(mask_token) if isinstance(mask_token, str) else int(mask_token)
         if isinstance(mask_token, str) and (mask_id is None or mask_id == tokenizer.unk_token_id):
@@ -321,27 +293,20 @@ def drafter_config_from_target(target_config, tokenizer=None, num_layers=5, num_
         scaling = None  # mrope/partial rotary belong to the target's own attention; the drafter is plain Qwen3
     if scaling is not None:
         scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
-    cfg = dict(
-        hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_hidden_layers=num_layers,
-        num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
-        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
-        vocab_size=vocab, rms_norm_eps=tc.rms_norm_eps, rope_theta=float(theta), rope_scaling=scaling,
-        max_position_embeddings=tc.max_position_embeddings, block_size=block_size, num_target_layers=L,
-        target_layer_ids=build_target_layer_ids(L, num_target_features or num_layers), mask_token_id=mask_id,
-        layer_types=layer_types, sliding_window=sliding_window,
-    )
-    cfg.update(overrides)
-    return DrafterConfig(**cfg)
+    cfg = dict(hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_hidden_layers=num_layers,
+               num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
+               head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+               vocab_size=vocab, rms_norm_eps=tc.rms_norm_eps, rope_theta=float(theta), rope_scaling=scaling,
+               max_position_embeddings=tc.max_position_embeddings, block_size=block_size, num_target_layers=L,
+               target_layer_ids=build_target_layer_ids(L, num_target_features or num_layers), mask_token_id=mask_id,
+               layer_types=layer_types, sliding_window=sliding_window)
+    return DrafterConfig(**(cfg | overrides))
 
 
-# -----------------------------------------------------------------------------
-# the drafter
-
-
+# ----------------------------------------------------------------------------- the drafter
 class MarkovHead(nn.Module):
-    """DSpark's sequential correction (deepseek-ai/DeepSpec): block offset k's logits get a low-rank bias from the
-    token before it, logits_k = lm_head(h_k) + markov_w2(markov_w1[token_{k-1}]). Training feeds the true previous
-    token (dflash_loss); drafting goes left to right, each drafted token the next one's previous (eval.draft)."""
+    """DSpark's sequential correction (deepseek-ai/DeepSpec): logits_k = lm_head(h_k) + w2(w1[token_{k-1}]). Training
+    feeds the true previous token (dflash_loss); drafting goes left to right (eval.draft)."""
 
     def __init__(self, vocab_size, rank):
         super().__init__()
@@ -356,15 +321,15 @@ class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.cfg = cfg
-        K = len(cfg.target_layer_ids)
-        self.fc = nn.Linear(K * cfg.hidden_size, cfg.hidden_size, bias=False)  # fuse K target layers
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)  # fuse K layers
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.markov_rank:
             self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank)
         # fp32 buffer, not a weight (persistent=False keeps it out of the checkpoint); see _apply below
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+                             persistent=False)
         for layer in self.layers:
             layer.self_attn.inv_freq = self.inv_freq
         self.apply(self._init_weights)
@@ -386,10 +351,9 @@ class DFlashDrafter(nn.Module):
         return self
 
     def forward(self, x_BQD, target_hidden_BSC, pos_blk_BQ, masks):
-        """Training forward over all blocks. x: embedded block tokens; target_hidden: concatenated target-layer
-        states for the S context positions; pos_blk: absolute positions of the block tokens (anchor+k);
-        masks: {layer_type: BlockMask or dense bool} from attention.build_masks. Returns normed hidden [B,Q,D].
-        On CUDA (compile_layers, the default) each decoder layer runs compiled, flex attention inside it."""
+        """Training forward over all blocks -> normed hidden [B,Q,D]. x: embedded block tokens; target_hidden: the
+        target-layer states of the S context positions; pos_blk: absolute positions of the block tokens (anchor+k);
+        masks: {layer_type: BlockMask or dense bool} (attention.build_masks). CUDA: compiled layers (compile_layers)."""
         B, S = target_hidden_BSC.shape[:2]
         ctx = self.hidden_norm(self.fc(target_hidden_BSC))  # computed once, shared by every layer (paper §4.2)
         pos = torch.cat([torch.arange(S, device=x_BQD.device).expand(B, S), pos_blk_BQ], dim=1)  # [B, S+Q]
@@ -401,9 +365,8 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
     def forward_cached(self, x_BKD, new_hidden_BTC, cache, start):
-        """Inference-style forward of one block (eval.py). cache: list of per-layer (k, v) for context
-        positions 0..start-T-1 (None entries for an empty cache); new_hidden: target states of the newly
-        verified positions start-T..start-1. Returns (normed hidden [B,K,D], new cache holding 0..start-1)."""
+        """One block at inference (eval.py) -> (normed hidden [B,K,D], cache of 0..start-1). cache: per-layer (k, v)
+        of positions 0..start-T-1 (None: empty); new_hidden: target states of the verified start-T..start-1."""
         K, T, dev, dt = x_BKD.shape[1], new_hidden_BTC.shape[1], x_BKD.device, x_BKD.dtype
         T0 = 0 if not cache or cache[0] is None else cache[0][0].shape[2]
         assert T0 + T == start, "context cache must cover exactly positions 0..start-1"
@@ -423,25 +386,22 @@ class DFlashDrafter(nn.Module):
         return self.norm(h), new_cache
 
 
-# -----------------------------------------------------------------------------
-# checkpoint: config.json + model.safetensors, flat released key names
-
-
+# ------------------------------------------------- checkpoint: config.json + model.safetensors, flat released key names
 def save_drafter(drafter, out_dir, dtype=torch.bfloat16):
     """Write a released-format checkpoint. dtype=None keeps the parameters' dtype (exact round trip)."""
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
     sd = {k: (v if dtype is None else v.to(dtype)).detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
     cfg = drafter.cfg.to_json_dict()
-    saved = next(iter(sd.values())).dtype
-    cfg["dtype"] = cfg["torch_dtype"] = str(saved).removeprefix("torch.")
+    cfg["dtype"] = cfg["torch_dtype"] = str(next(iter(sd.values())).dtype).removeprefix("torch.")  # as saved
     save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
 
 
 def load_drafter(ckpt_dir, device="cpu", dtype=None):
-    """Load (in the saved dtype unless dtype is given) ours or any released DFlash drafter directory. Every mismatch is an error naming the key."""
+    """Load ours or any released DFlash drafter directory, in the saved dtype unless dtype is given. Every mismatch
+    is an error naming the key."""
     from safetensors.torch import load_file
     path = os.path.join(ckpt_dir, "config.json")
     with open(path) as f:
@@ -451,8 +411,7 @@ def load_drafter(ckpt_dir, device="cpu", dtype=None):
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg)
     expected = {k: v.shape for k, v in drafter.state_dict().items()}
-    missing = sorted(set(expected) - set(sd))
-    unexpected = sorted(set(sd) - set(expected))
+    missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
     if missing or unexpected:
         raise KeyError(f"{ckpt_dir}: missing keys {missing}, unexpected keys {unexpected}")
     for k, shape in expected.items():
@@ -463,14 +422,10 @@ def load_drafter(ckpt_dir, device="cpu", dtype=None):
     return drafter
 
 
-# -----------------------------------------------------------------------------
-# training objective (paper §4.2, Eq. 4)
-
-
+# ----------------------------------------------------------------------------- training objective (paper §4.2, Eq. 4)
 def sample_anchors(loss_mask_BS, num_anchors, generator=None):
-    """Uniform without replacement among positions p with loss_mask[p] and loss_mask[p+1] (the anchor is a
-    response token and its first label is supervised), sorted ascending, padded to exactly num_anchors with
-    keep=False so every step has the same query length (no recompiles, no .item() sync)."""
+    """Uniform without replacement among positions p with loss_mask[p] and loss_mask[p+1] (a response token whose
+    first label is supervised), sorted, padded to num_anchors with keep=False: fixed shapes, no recompiles, no sync."""
     B, S = loss_mask_BS.shape
     lm = loss_mask_BS.bool()
     cand = torch.zeros_like(lm)
@@ -490,8 +445,7 @@ def block_labels(input_ids_BS, loss_mask_BS, anchors_BN, keep_BN, K, gamma):
     """Labels at the SAME position: block offset k predicts input_ids[anchor+k]; offset 0 (the clean anchor) and
     positions >= S are unsupervised; the loss mask is read at the label position, not the anchor.
     Returns labels [B,N,K], valid [B,N,K] bool, weights [B,N,K] = valid * exp(-(k-1)/gamma) (w_1 = 1, Eq. 4)."""
-    B, S = input_ids_BS.shape
-    N = anchors_BN.shape[1]
+    (B, S), N = input_ids_BS.shape, anchors_BN.shape[1]
     k = torch.arange(K, device=input_ids_BS.device)
     pos_BNK = anchors_BN[:, :, None] + k
     idx = pos_BNK.clamp(max=S - 1).view(B, N * K)
@@ -528,17 +482,14 @@ _ce_chunk_compiled = torch.compile(_ce_chunk, dynamic=False)  # lazy; shapes are
 
 
 class HeadCE(torch.autograd.Function):
-    """Frozen LM head + weighted cross-entropy, chunked over rows, with the input gradient computed in the forward
-    pass: each chunk's [rows, V] logits exist once and are never recomputed (SpecForge recomputes them under
-    checkpointing, a third LM-head matmul), and no fp32 copy of all logits is ever held. The head gets no gradient.
-    With a Markov head (w1 [V, r], w2 [V, r]; prev_M the previous tokens) the logits get its bias, and w1, w2 their
-    gradients, from the same chunk."""
+    """Frozen LM head + weighted cross-entropy, chunked over rows, the input gradient computed in the forward: each
+    chunk's [rows, V] logits exist once, never recomputed (no third LM-head matmul), never all in fp32. The head gets
+    no gradient. A Markov head (w1, w2 [V, r]; prev_M the previous tokens) adds its bias and gets its gradients."""
 
     @staticmethod
     def forward(ctx, out_MD, head_VD, labels_M, w_M, chunk_rows, K=0, alpha=0.0, prev_M=None, w1_Vr=None, w2_Vr=None):
         ce = _ce_chunk_compiled if out_MD.is_cuda else _ce_chunk
-        loss = torch.zeros((), device=out_MD.device)
-        grad = torch.empty_like(out_MD)
+        loss, grad = torch.zeros((), device=out_MD.device), torch.empty_like(out_MD)
         correct = torch.empty(out_MD.shape[0], dtype=torch.bool, device=out_MD.device)
         g1, g2 = (None, None) if w1_Vr is None else (torch.zeros_like(w1_Vr, dtype=torch.float32),
                                                      torch.zeros_like(w2_Vr, dtype=torch.float32))
@@ -572,17 +523,13 @@ def dflash_loss(drafter, embed_VD, lm_head_VD, input_ids_BS, loss_mask_BS, hidde
     The caller divides: loss = loss_sum / (global weight_sum). weighting "decay": exp(-(k-1)/gamma), weight_sum the
     sum of weights; "dpace": dpace_weights, weight_sum the kept blocks (dividing by the D-PACE weights' own sum would
     cancel the credit they give; a count summed over all ranks and micro-batches cannot depend on the split)."""
-    cfg = drafter.cfg
+    cfg, (B, S), N, dev = drafter.cfg, input_ids_BS.shape, anchors_BN.shape[1], input_ids_BS.device
     K = cfg.block_size
-    B, S = input_ids_BS.shape
-    N = anchors_BN.shape[1]
-    dev = input_ids_BS.device
-    k = torch.arange(K, device=dev)
 
     # blocks: [anchor token, mask, ..., mask] at absolute positions anchor+k
     block_ids = torch.full((B, N, K), cfg.mask_token_id, device=dev, dtype=input_ids_BS.dtype)
     block_ids[:, :, 0] = torch.where(keep_BN, input_ids_BS.gather(1, anchors_BN), cfg.mask_token_id)
-    pos_BNK = anchors_BN[:, :, None] + k  # may run past S-1: positions only, never labels
+    pos_BNK = anchors_BN[:, :, None] + torch.arange(K, device=dev)  # may run past S-1: positions only, never labels
     x = F.embedding(block_ids.view(B, N * K), embed_VD).to(hidden_BSC.dtype)
     masks = build_masks(anchors_BN, keep_BN, S, K, cfg.layer_types, cfg.sliding_window, backend)
     out = drafter(x, hidden_BSC, pos_BNK.view(B, N * K), masks).view(B, N, K, -1)

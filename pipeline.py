@@ -1,12 +1,11 @@
-"""
-Everything that knows about ranks: roles and process groups (`assign_roles`, `setup_dist` -> a frozen `Dist`), the
-frozen target (`target_decoder` builds it on the meta device up to the deepest captured layer; `fill_target` reads
-the checkpoint one tensor at a time into this rank's FSDP2 shard; `Capture` returns the hidden states), and the
-static schedule by which they travel: micro-batch m (a global counter) belongs to optimizer step
-m // (drafters * grad_accum), and `route` names the target rank that prefills it and the drafter rank that trains on
-it. Every rank walks its micro-batches in increasing m, so the lowest outstanding transfer can always proceed and
-nobody needs a coordinator. `run_target` is a target rank's whole life, `Receiver` the drafter's end of the
-transfer, `Colocated` both in one process. How the target is sharded is train.py's `load_target`.
+"""Everything that knows about ranks: roles and process groups (`assign_roles`, `setup_dist` -> a frozen `Dist`), the
+frozen target (`target_decoder` builds it on the meta device up to the deepest captured layer; `fill_target` reads the
+checkpoint one tensor at a time into this rank's FSDP2 shard; `Capture` returns the hidden states), and the static
+schedule by which they travel: micro-batch m (a global counter) belongs to optimizer step m // (drafters * grad_accum),
+and `route` names the target rank that prefills it and the drafter rank that trains on it. Every rank walks its
+micro-batches in increasing m, so the lowest outstanding transfer can always proceed and nobody needs a coordinator.
+`run_target` is a target rank's whole life, `Receiver` the drafter's end of the transfer, `Colocated` both in one
+process. How the target is sharded is train.py's `load_target`.
 
 Test: python -m pytest -q tests/test_train.py tests/test_multinode.py
 """
@@ -25,26 +24,22 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# -----------------------------------------------------------------------------
-# processes, roles and groups
 
-
+# ----------------------------------------------------------------------------- processes, roles and groups
 TorchrunEnv = namedtuple("TorchrunEnv", "rank world local_rank local_world run_id error_file")
 
 
 def torchrun_env():
     """What torchrun tells a worker, read in this one place (no torchrun: one process)."""
-    e = os.environ
-    world = int(e.get("WORLD_SIZE", "1"))
+    e, world = os.environ, int(os.environ.get("WORLD_SIZE", "1"))
     return TorchrunEnv(int(e.get("RANK", "0")), world, int(e.get("LOCAL_RANK", "0")),
                        int(e.get("LOCAL_WORLD_SIZE", world)), e.get("TORCHELASTIC_RUN_ID"),
                        e.get("TORCHELASTIC_ERROR_FILE"))
 
 
 def assign_roles(world, cfg, local_world=None):
-    """-> (target ranks, drafter ranks), global ranks. One process: both roles on rank 0 (colocated).
-    Several nodes: every node gets the same split, its first target_ranks local ranks hold the target (torchrun
-    numbers ranks node by node), so each node's targets feed only that node's drafters, over NVLink."""
+    """-> (target ranks, drafter ranks), global ranks; one process: both roles on rank 0. Every node gets the same
+    split, its first target_ranks local ranks the target, so its targets feed only its own drafters, over NVLink."""
     if world == 1:
         return [0], [0]
     local_world = local_world or world
@@ -83,7 +78,7 @@ class Dist:
 
 
 def setup_dist(cfg, env):
-    use_cuda = _on_gpu(cfg)
+    use_cuda = on_gpu(cfg.device)
     if use_cuda:
         torch.cuda.set_device(env.local_rank)  # before any NCCL call, or P2P can hang (batch_isend_irecv docs)
     device = torch.device("cuda", env.local_rank) if use_cuda else torch.device("cpu")
@@ -93,15 +88,13 @@ def setup_dist(cfg, env):
         return Dist(env.rank, 1, device, targets, drafters, 1, None, None, None)
     timeout = datetime.timedelta(seconds=cfg.transport_timeout)
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout, device_id=device if use_cuda else None)
-    # every rank builds every group, in this order (SPMD: a mismatch hangs silently). The target is sharded within
-    # each node and replicated across nodes: it is frozen, so replicas never synchronize, and its per-forward
-    # all-gathers stay on NVLink (README "Across nodes" has the arithmetic).
+    # every rank builds every group, in this order (SPMD: a mismatch hangs silently). The target is sharded within each
+    # node, replicated across nodes (frozen: replicas never sync), so its all-gathers stay on NVLink (README).
     from torch.distributed.device_mesh import DeviceMesh
     T = len(targets) // nnodes
     node_groups = [dist.new_group(targets[n * T:(n + 1) * T]) for n in range(nnodes)]
-    target_mesh = None
-    if cfg.target_shard == "fsdp" and env.rank in targets:
-        target_mesh = DeviceMesh.from_group(node_groups[targets.index(env.rank) // T], device.type)
+    target_mesh = (DeviceMesh.from_group(node_groups[targets.index(env.rank) // T], device.type)
+                   if cfg.target_shard == "fsdp" and env.rank in targets else None)
     drafter_group = dist.new_group(drafters)
     transport = dist.new_group(list(range(env.world)), timeout=timeout)
     dist.barrier(group=transport)  # creates the transport communicator on every rank now, not mid-run
@@ -124,8 +117,7 @@ def reduce_stats(s, d):
 
 
 def launcher_start():
-    """The start time of this process's parent (torchrun's agent), read from /proc: one value every rank of the node
-    computes alike. None off Linux."""
+    """The start time of this process's parent (torchrun's agent) from /proc, alike on every rank of a node; or None."""
     try:
         ticks = int(open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
         boot = next(int(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
@@ -135,10 +127,9 @@ def launcher_start():
 
 
 def report_failure(msg, when=None):
-    """Write torchrun's per-rank error file (TORCHELASTIC_ERROR_FILE, its documented format): when this rank
-    fails, the launcher's summary prints `msg` under the rank and exit code. torchrun names as the root cause the
-    failure with the smallest timestamp `when` (default: now), ties going to the rank whose exit it saw first.
-    Without torchrun: nothing."""
+    """Write torchrun's per-rank error file (TORCHELASTIC_ERROR_FILE): the launcher's summary prints `msg` under the
+    rank and exit code, and names as the root cause the failure with the smallest timestamp `when` (default: now),
+    ties going to the rank whose exit it saw first. Without torchrun: nothing."""
     path = torchrun_env().error_file
     if path:  # written aside, then renamed: the launcher never reads half a file (a SIGTERM may land mid-write)
         tmp = f"{path}.{time.monotonic_ns()}.tmp"
@@ -149,14 +140,10 @@ def report_failure(msg, when=None):
 
 
 def watch_for_death(rank, role):
-    """Under torchrun, make every way this rank can end show in the launcher's summary with its rank and role.
-    A rank killed by a signal (kill -9, the OOM killer, a segfault) prints nothing, so a note goes into the error
-    file now, stamped with the launcher's start time; a Python failure replaces it with the real error, stamped
-    later. The ranks torchrun stops with SIGTERM after a failure rewrite their note as they go, so the failure
-    that came first is the one named: a killed rank (the launcher's start time, and torchrun saw its exit first)
-    ahead of peers that fail later because it vanished. Also: the kernel SIGKILLs this rank when its launcher dies.
-    torchrun starts every worker in its own session, so a `kill -9` of torchrun (or a scheduler ending the job
-    step that way) would otherwise leave the ranks running, holding their GPUs, with nobody to stop them."""
+    """Under torchrun, make every end of this rank show in the launcher's summary with its rank and role: a note in the
+    error file, stamped with the launcher's start time, names a rank killed by a signal (it prints nothing); a Python
+    failure or a SIGTERM after one elsewhere rewrites it, stamped later, so the first failure is the one named. And
+    the kernel SIGKILLs this rank when its launcher dies (torchrun gives each worker its own session)."""
     if torchrun_env().run_id is None or not sys.platform.startswith("linux"):
         return
     report_failure(f"rank {rank} ({role}) died without a Python error: killed by a signal (kill -9, the OOM "
@@ -196,20 +183,18 @@ def placement_table(world, local_world, cfg):
                      "stay inside each node)")
     return "\n".join(lines)
 
-# -----------------------------------------------------------------------------
-# memory per GPU, from the configs alone (the start-up check and its printout)
 
+# ----------------------------------------- memory per GPU, from the configs alone (the start-up check and its printout)
 GiB = 2 ** 30
 USABLE = 0.95  # of a device: the CUDA context or the interpreter, and the allocator's fragmentation, take the rest
 
 
 def memory_estimate(cfg, dcfg, target_config, targets_per_node, num_anchors=None):
-    """GiB per GPU by role and part, for a micro-batch of batch_size sequences of max_length tokens. Drafter: its
-    state (bf16 weights and gradients, fp32 masters, Adam's moments, the flat fp32 gradient), the frozen embedding and
-    head, the target's states, the activations the layers save for backward (per block row, per context position),
-    one LM-head chunk (logits, fp32 softmax, gradient). Target: its shard, the gathered layers (current and next),
-    one layer's forward activations, the states in flight. Matches measured peaks within a few percent
-    (BENCHMARKS.md)."""
+    """GiB per GPU by role and part, for a micro-batch of batch_size sequences of max_length tokens. Drafter: its state
+    (bf16 weights and gradients, fp32 masters, Adam's moments, the flat fp32 gradient), the frozen embedding and head,
+    the target's states, the activations saved for backward (per block row, per context position), one LM-head chunk
+    (logits, fp32 softmax, gradient). Target: its shard, the gathered layers (current and next), one layer's forward
+    activations, the states in flight. Within a few percent of measured peaks (BENCHMARKS.md)."""
     N, S, B, b = num_anchors or cfg.num_anchors, cfg.max_length, cfg.batch_size, 2 if cfg.dtype == "bfloat16" else 4
     D, F, V, K, L = dcfg.hidden_size, dcfg.intermediate_size, dcfg.vocab_size, dcfg.block_size, dcfg.num_hidden_layers
     q, kv = dcfg.num_attention_heads * dcfg.head_dim, dcfg.num_key_value_heads * dcfg.head_dim
@@ -225,8 +210,8 @@ def memory_estimate(cfg, dcfg, target_config, targets_per_node, num_anchors=None
                          "activations": (L * (R * (4 * D + 3 * q + 3 * kv + 3 * F) + (C + R) * 3 * kv) + C * 2 * D) * b,
                          "LM-head chunk": min((cfg.loss_chunk or N) * K, R) * V * (2 * b + 8) + R * D * b,
                          # CPU: SDPA with a dense [B, 1, Q, KV] mask materializes the scores of every layer type
-                         "dense attention": 0 if _on_gpu(cfg) else B * (dcfg.num_attention_heads * 2 * b + 2) * N * K
-                         * (S + N * K) * len(set(dcfg.layer_types))},
+                         "dense attention": 0 if on_gpu(cfg.device) else B * (dcfg.num_attention_heads * 2 * b + 2)
+                         * N * K * (S + N * K) * len(set(dcfg.layer_types))},
              "target": {"shard": (sum(layers) + embedding) * b / T,
                         "gathered layers": 2 * max(layers) * b if T > 1 else 0,
                         "activations": C * (6 * tc.hidden_size + 3 * tc.intermediate_size) * b,
@@ -235,8 +220,7 @@ def memory_estimate(cfg, dcfg, target_config, targets_per_node, num_anchors=None
 
 
 def _target_params(target_config, n, _seen={}):
-    """Parameters of the target's first n layers, each, and of its embedding, from its config (a meta-device model:
-    nothing is allocated); remembered per config."""
+    """Parameters of each of the target's first n layers and of its embedding (a meta-device model), per config."""
     key = (target_config.to_json_string(), n)
     if key not in _seen:
         from transformers import AutoModelForCausalLM
@@ -246,8 +230,8 @@ def _target_params(target_config, n, _seen={}):
     return _seen[key]
 
 
-def _on_gpu(cfg):
-    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+def on_gpu(device):  # a Config.device: auto | cuda | cpu
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
 def memory_need(cfg, dcfg, target_config, world, num_anchors=None):
@@ -258,8 +242,7 @@ def memory_need(cfg, dcfg, target_config, world, num_anchors=None):
 
 
 def largest_anchors(cfg, dcfg, target_config, world, usable):
-    """The largest num_anchors (0: none) whose estimate stays within `usable` GiB on every role: it grows with
-    num_anchors, so bisect."""
+    """The largest num_anchors (0: none) whose estimate (growing with it) stays within `usable` GiB on every role."""
     lo, hi = 0, cfg.max_length
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -269,13 +252,12 @@ def largest_anchors(cfg, dcfg, target_config, world, usable):
 
 
 def memory_check(cfg, dcfg, target_config, world, device_gib=None):
-    """-> (lines to print, errors). A config whose estimate passes a device's memory (device_gib; default this rank's
-    GPU, or on CPU the host's share per process) is refused before anything is loaded, with the largest num_anchors
-    that fits."""
+    """-> (lines to print, errors): an estimate past a device's memory (device_gib; default this rank's GPU, on CPU
+    the host's share per process) is an error naming the largest num_anchors that fits."""
     T = max(1, cfg.target_ranks) if world > 1 else 1
     lines = [f"  {r} rank: {sum(p.values()):.1f} GiB = " + " + ".join(f"{v:.2f} {k}" for k, v in p.items() if v)
              for r, p in memory_estimate(cfg, dcfg, target_config, T).items()]
-    if device_gib is None and _on_gpu(cfg):
+    if device_gib is None and on_gpu(cfg.device):
         device_gib = torch.cuda.get_device_properties(torchrun_env().local_rank).total_memory / GiB
     elif device_gib is None:  # CPU: the processes of this node share its memory
         device_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB / torchrun_env().local_world
@@ -288,25 +270,16 @@ def memory_check(cfg, dcfg, target_config, world, device_gib=None):
                    for r, x in over.items()]
 
 
-# -----------------------------------------------------------------------------
-# building and loading
-
-
+# ----------------------------------------------------------------------------- building and loading
 class Weights:
     """Tensors of an HF checkpoint folder, read one at a time (never the whole model in host memory)."""
 
     def __init__(self, path):
         from safetensors import safe_open
-        idx = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(idx):
-            with open(idx) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        else:
-            files = ["model.safetensors"]
-        self.where = {}
-        for name in files:
-            h = safe_open(os.path.join(path, name), "pt")
-            self.where.update({k: h for k in h.keys()})
+        idx = os.path.join(path, "model.safetensors.index.json")  # a sharded checkpoint names its files there
+        names = json.load(open(idx))["weight_map"].values() if os.path.exists(idx) else ["model.safetensors"]
+        handles = [safe_open(os.path.join(path, name), "pt") for name in sorted(set(names))]
+        self.where = {k: h for h in handles for k in h.keys()}  # tensor name -> the open file holding it
 
     def get(self, key):
         """A text-model tensor, in whatever spelling the checkpoint uses (VLMs nest it under model.language_model)."""
@@ -351,8 +324,8 @@ def fill_target(base, path, device, dtype, mesh=None, verbose=False):
 
 
 def _reinit_nonpersistent_buffers(model):
-    """to_empty leaves non-persistent buffers (rotary inv_freq) uninitialized: rebuild them from the module's own
-    config, in fp32 on CPU, and copy. Any other such buffer is an error, never garbage."""
+    """to_empty leaves non-persistent buffers (rotary inv_freq) uninitialized: copy them from a fresh module built
+    from its own config (fp32, CPU). A module without a config is an error, never garbage."""
     for mname, mod in model.named_modules():
         names = [b for b in mod._non_persistent_buffers_set if mod._buffers.get(b) is not None]
         if not names:
@@ -368,10 +341,7 @@ def frozen_tables(path, dtype, device):
     """Only the embedding and LM head from the target checkpoint (a tied target reuses the embedding)."""
     w = Weights(path)
     embed = w.get("model.embed_tokens.weight")
-    try:
-        head = w.get("lm_head.weight")
-    except KeyError:
-        head = embed
+    head = w.get("lm_head.weight") if "lm_head.weight" in w.where else embed
     return embed.to(device, dtype), head.to(device, dtype)
 
 
@@ -397,10 +367,8 @@ class Capture:
         self.out.clear()
         return h
 
-# -----------------------------------------------------------------------------
-# the static schedule
 
-
+# ----------------------------------------------------------------------------- the static schedule
 def per_step(n_drafters, grad_accum):
     """Micro-batches per optimizer step, over all drafter ranks."""
     return n_drafters * grad_accum
@@ -437,19 +405,8 @@ def batch_at(batcher, m):
     batcher.epoch, batcher.step = divmod(m, batcher.steps_per_epoch)
     return next(batcher)
 
-# -----------------------------------------------------------------------------
-# the transfer: target rank -> drafter rank, point-to-point on the transport group
 
-
-def _header(batch, m, fwd_s, B):
-    """Fixed-size int64 header, so the receiver can allocate: [m, B, S, forward microseconds, lengths x B]."""
-    ids = batch["input_ids"]
-    h = torch.zeros(4 + B, dtype=torch.long)
-    h[:4] = torch.tensor([m, ids.shape[0], ids.shape[1], int(fwd_s * 1e6)])
-    h[4:4 + ids.shape[0]] = batch["lengths"]
-    return h
-
-
+# ------------------------------------- the transfer: target rank -> drafter rank, point-to-point on the transport group
 def run_target(cfg, d, batcher, capture, start_step, total_steps):
     """Target rank: prefill this node's micro-batches k = t, t + T, ... (T targets per node) from start_step to
     total_steps, send each to its drafter, at most `prefetch` in flight. The node's target ranks run the same number
@@ -469,13 +426,15 @@ def run_target(cfg, d, batcher, capture, start_step, total_steps):
         src, dst, _ = route(m, d.targets, d.drafters, nn, A)
         assert src == d.rank, f"schedule bug: micro-batch {m} belongs to rank {src}, not {d.rank}"
         batch = batch_at(batcher, m)
-        t0 = time.perf_counter()
-        hidden = capture(batch["input_ids"].to(d.device))
+        ids, t0 = batch["input_ids"], time.perf_counter()
+        hidden = capture(ids.to(d.device))
         if d.device.type == "cuda":  # the compute stream only: a device-wide sync would also wait for the
             torch.cuda.current_stream().synchronize()  # previous sends, which wait for the drafter
-        fwd = time.perf_counter() - t0
-        tensors = [x.to(d.device) for x in (_header(batch, m, fwd, cfg.batch_size), batch["input_ids"],
-                                            batch["loss_mask"])] + [hidden]
+        # a fixed-size int64 header, so the receiver can allocate: [m, B, S, forward microseconds, lengths x B]
+        header = torch.zeros(4 + cfg.batch_size, dtype=torch.long)
+        header[:4] = torch.tensor([m, *ids.shape, int((time.perf_counter() - t0) * 1e6)])
+        header[4:4 + ids.shape[0]] = batch["lengths"]
+        tensors = [x.to(d.device) for x in (header, ids, batch["loss_mask"])] + [hidden]
         inflight.append((tensors, [dist.isend(x, dst, group=d.transport) for x in tensors]))
         while len(inflight) > cfg.prefetch:
             for w in inflight.popleft()[1]:

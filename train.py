@@ -1,10 +1,8 @@
-"""
-Train a DFlash drafter (arXiv 2602.06036) against a frozen target, one process per GPU (torchrun).
+"""Train a DFlash drafter (arXiv 2602.06036) against a frozen target, one process per GPU (torchrun).
 
-Roles: target ranks hold the frozen target (FSDP2 over the target sub-mesh, or replicated), prefill each sequence
-and capture the hidden states at `target_layer_ids`; drafter ranks train the drafter data-parallel with compiled
-flex attention. Hidden states flow target -> drafter over point-to-point sends (pipeline.py). With one process (one
-GPU, or CPU) both roles run in that process, with no transport.
+Roles: target ranks hold the frozen target (FSDP2 over the node's target ranks, or replicated), prefill each sequence
+and capture the hidden states at `target_layer_ids`; drafter ranks train the drafter data-parallel. Hidden states flow
+target -> drafter over point-to-point sends (pipeline.py); one process (one GPU, or CPU) holds both roles.
 
     bash launch.sh                                   # picks the demo or the real recipe for this machine
     torchrun --nproc_per_node 8 train.py --target=/models/Qwen3.6-27B --data=train.jsonl
@@ -12,7 +10,7 @@ GPU, or CPU) both roles run in that process, with no transport.
     python -m pytest -q tests/test_train.py
 
 Reading order: Config (edit the defaults, or pass --field=value), the schedule and optimizer, train() and its loop,
-main(); below the ruler the plumbing: config parsing and checks, processes and groups, checkpoints, logs.
+main(); below the ruler the plumbing: config parsing and checks, loading the data and the target.
 """
 
 import json
@@ -33,7 +31,7 @@ from checkpoint import (list_ckpts, lock_run_dir, log_line, log_skipped, open_ru
                         resume_point, save_checkpoint, warn_config_changes, write_done, write_run_info)
 from model import DFlashDrafter, DrafterConfig, dflash_loss, drafter_config_from_target, load_drafter, sample_anchors
 from pipeline import (USABLE, Capture, Colocated, Receiver, assign_roles, drafter_schedule, fill_target,
-                      frozen_tables, largest_anchors, memory_check, per_step, placement_table, reduce_stats,
+                      frozen_tables, largest_anchors, memory_check, on_gpu, per_step, placement_table, reduce_stats,
                       report_failure, role_of, run_target, setup_dist, target_decoder, teardown_dist, torchrun_env,
                       watch_for_death)
 
@@ -78,7 +76,7 @@ class Config:
     target_shard: str = "fsdp"  # fsdp | replicate (a full target copy per target rank)
     dtype: str = "bfloat16"  # bfloat16 (fp32 master weights and optimizer state) | float32
     device: str = "auto"  # auto | cuda | cpu
-    compile: bool = True  # CUDA: compile each drafter layer (flex attention inside); False = eager layers, flex compiled
+    compile: bool = True  # CUDA: compile each drafter layer (flex inside); False = eager layers, flex compiled
     prefetch: int = 2  # micro-batches a target rank may have in flight to its drafters
     transport_timeout: int = 900  # seconds before a blocked collective or transfer fails the job
     # logging
@@ -93,10 +91,7 @@ class Config:
     plan: str = ""  # "NODESxGPUS[:GiB]", e.g. "1x8:80": print the placement and memory plan and exit (no GPU)
 
 
-# -----------------------------------------------------------------------------
-# the schedule and the optimizer
-
-
+# ----------------------------------------------------------------------------- the schedule and the optimizer
 def lr_at(cfg, step, total):
     """Linear warmup from lr/W to lr over W = int(warmup_ratio * total) steps, then cosine to 0."""
     W = int(cfg.warmup_ratio * total)
@@ -106,9 +101,8 @@ def lr_at(cfg, step, total):
 
 
 class Optimizer:
-    """AdamW over fp32 master weights (the drafter itself may be bf16). Gradients go into one flat fp32 buffer,
-    reduced once per step across drafter ranks and divided by the global token-weight sum (an exact token-weighted
-    mean over ranks and micro-batches), then clipped by their global L2 norm."""
+    """AdamW over fp32 master weights (the drafter itself may be bf16). Gradients go into one flat fp32 buffer, reduced
+    once per step over drafter ranks, divided by the global token-weight sum (an exact token-weighted mean), clipped."""
 
     def __init__(self, cfg, drafter, d):
         self.cfg, self.d = cfg, d
@@ -116,17 +110,14 @@ class Optimizer:
         fp32 = all(p.dtype == torch.float32 for p in self.params)
         self.masters = self.params if fp32 else [p.detach().float().requires_grad_() for p in self.params]
         self.flat = torch.zeros(sum(p.numel() for p in self.params), device=self.params[0].device)
-        self.views, off = [], 0
-        for p in self.params:
-            self.views.append(self.flat[off:off + p.numel()].view_as(p))
-            off += p.numel()
+        self.views = [v.view_as(p) for v, p in zip(self.flat.split([p.numel() for p in self.params]), self.params)]
         self.opt = torch.optim.AdamW(self.masters, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                      weight_decay=cfg.weight_decay, fused=self.flat.is_cuda)
 
     def step(self, lr, weight_sum, loss_finite=True):
-        """p.grad holds d(sum of weighted CE)/dp of this rank -> (global grad norm before clipping, applied).
-        A non-finite loss or grad norm drops the step whole: no update, no optimizer-state change, gradients
-        discarded. Every drafter rank sees the same all-reduced loss and buffer, so all take the same decision."""
+        """p.grad holds d(sum of weighted CE)/dp of this rank -> (global grad norm before clipping, applied). A
+        non-finite loss or grad norm drops the step whole (no update, no optimizer-state change): every drafter rank
+        sees the same reduced loss and buffer, so all decide alike."""
         for v, p in zip(self.views, self.params):
             if p.grad is None:
                 v.zero_()
@@ -166,10 +157,8 @@ class Optimizer:
                 torch._foreach_copy_(self.params, self.masters)
         self.opt.load_state_dict(state["optimizer"])
 
-# -----------------------------------------------------------------------------
-# training
 
-
+# ----------------------------------------------------------------------------- training
 def train(cfg, d, target_config, tokenizer):
     """One run on this rank: the data, then its role (the target's forward loop, the drafter's training, or both)."""
     dcfg = drafter_cfg(cfg, target_config, tokenizer)
@@ -211,13 +200,14 @@ def train(cfg, d, target_config, tokenizer):
                   flush=True)
     source = Colocated(batcher, capture, d.device) if d.is_target else Receiver(
         cfg, d, len(dcfg.target_layer_ids) * dcfg.hidden_size, dtype, drafter_schedule(d, cfg.grad_accum, start, total))
-    open_run_dir(d, run_dir, drafter, start if state else None)
+    if d.leader:
+        open_run_dir(run_dir, drafter, start if state else None)
     train_drafter(cfg, d, run_dir, (drafter, embed, head), optim, source, start, total, state, resume)
 
 
 def accumulate(step, cfg, models, source, schedule):
-    """The grad_accum micro-batches of optimizer step `step` on this drafter rank: forward, loss, backward (the
-    un-normalized weighted CE; the optimizer divides by the global weight sum) -> (summed statistics, last length)."""
+    """The grad_accum micro-batches of optimizer step `step` on this drafter rank: forward, loss, backward of the
+    un-normalized weighted CE (the optimizer divides) -> (summed statistics, last length)."""
     drafter, embed, head = models
     total = None
     for _ in range(cfg.grad_accum):
@@ -231,8 +221,7 @@ def accumulate(step, cfg, models, source, schedule):
                         gamma=cfg.gamma, backend="flex" if hidden.is_cuda else "sdpa", chunk_blocks=cfg.loss_chunk,
                         weighting=cfg.loss_weighting, alpha=cfg.dpace_alpha)
         r["loss_sum"].backward()
-        s = {k: r[k].detach().double().cpu() for k in ("loss_sum", "weight_sum", "tau_sum", "blocks",
-                                                         "correct_K", "count_K")}  # .cpu() synchronizes
+        s = {k: v.detach().double().cpu() for k, v in r.items()}  # .cpu() synchronizes
         s.update({k: torch.tensor(float(v), dtype=torch.float64) for k, v in (
             ("tokens", batch["lengths"].sum()), ("sequences", len(batch["lengths"])), ("target_s", target_s),
             ("drafter_s", time.perf_counter() - t0))})
@@ -312,23 +301,17 @@ def main(cfg):
         d = setup_dist(cfg, env)
         train(cfg, d, target_config, tokenizer)
     except BaseException as e:
-        msg = f"[rank {env.rank} ({role})] FAILED: {type(e).__name__}: {e}"
+        msg = f"[rank {env.rank} ({role})] FAILED: {type(e).__name__}: {e}\n{traceback.format_exc()}"
         sys.stdout.flush()
-        sys.stderr.write(f"\n{msg}\n{traceback.format_exc()}")
-        sys.stderr.flush()
+        print(f"\n{msg}", end="", file=sys.stderr, flush=True)
         lost_peer = isinstance(e, dist.DistError) or "by peer" in str(e)  # a consequence of another rank's exit:
-        report_failure(f"{msg}\n{traceback.format_exc()}", time.time() + lost_peer)  # stamped after it
+        report_failure(msg, time.time() + lost_peer)  # stamped after it
         os._exit(1)  # never wait in NCCL/gloo destructors: torchrun sees the exit and stops every other rank
     finally:
         teardown_dist(d)
 
 
-
-# =============================================================================
-# plumbing: config parsing and checks, processes and groups, the run directory, checkpoints, logs
-# =============================================================================
-
-
+# ============================================================================= plumbing: config, data, target
 def parse_config(argv):
     """--field=value overrides, parsed against the field types; a preset applies first. Unknown key: error."""
     kv = {}
@@ -350,20 +333,16 @@ def parse_config(argv):
         if kv["preset"] != "demo":
             raise SystemExit(f"unknown preset {kv['preset']!r}; presets: ['demo']")
         from data import demo_settings  # the demo's corpus, training and eval settings, in one place
-        device = kv.get("device", "auto")
-        cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-        base = dict(demo_settings("cuda" if cuda else "cpu", torchrun_env().world)["train"])
+        base = dict(demo_settings("cuda" if on_gpu(kv.get("device", "auto")) else "cpu", torchrun_env().world)["train"])
     for k, v in kv.items():
-        t = types[k]
-        if t in (bool, "bool"):
-            if v.lower() not in ("1", "true", "yes", "0", "false", "no"):
-                raise SystemExit(f"--{k}={v!r}: expected true/false")
-            base[k] = v.lower() in ("1", "true", "yes")
-            continue
+        t, is_bool = types[k], types[k] in (bool, "bool")
         try:
-            base[k] = int(v) if t in (int, "int") else float(v) if t in (float, "float") else v
-        except ValueError:
-            raise SystemExit(f"--{k}={v!r}: expected {t}") from None
+            if is_bool:
+                base[k] = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}[v.lower()]
+            else:
+                base[k] = int(v) if t in (int, "int") else float(v) if t in (float, "float") else v
+        except (KeyError, ValueError):
+            raise SystemExit(f"--{k}={v!r}: expected {'true/false' if is_bool else t}") from None
     return Config(**base)
 
 
@@ -372,10 +351,9 @@ def _each(names, ok, message):
 
 
 INF, MAX_STEPS, DAY = float("inf"), 10 ** 9, 86_400
-# (field, check(cfg, target text config), message): every failing row is reported, each line naming its field.
-# Numbers are checked against ranges, so nan and inf fail too. A 4th element lists the fields a row compares with:
-# it is skipped when one of them failed (one error, one line). SHAPE: the fields the drafter config is derived
-# from; when one fails, deriving it would only repeat the error.
+# (field, check(cfg, target text config), message): every failing row is reported, naming its field. Numbers are
+# checked against ranges, so nan and inf fail too. A 4th element: the fields a row compares with; it is skipped when
+# one of them failed. SHAPE: the fields the drafter config is derived from (deriving it is skipped when one fails).
 SHAPE = [
     *_each(["drafter_layers"], lambda x: 1 <= x <= 1024, "must be in [1, 1024]"),
     *_each(["block_size"], lambda x: 2 <= x <= 1024, "must be in [2, 1024]"),
@@ -451,8 +429,7 @@ def _existing_parent(path):
 def validate(cfg, world, target_config, tokenizer, local_world=None, device_gib=None):
     """Every config error at once, before any process group or GPU memory. Each message starts with the field.
     device_gib: the memory of one GPU (default: this rank's CUDA device; none on CPU)."""
-    tc = target_config.get_text_config()
-    errs = []
+    tc, errs = target_config.get_text_config(), []
     try:
         assign_roles(world, cfg, local_world)
     except ValueError as e:
@@ -498,9 +475,8 @@ def read_target(cfg):
 
 
 def plan(cfg):
-    """--plan=NODESxGPUS[:GiB]: the placement; each role's memory per GPU from the target's config.json alone (no
-    weights, no tokenizer, no GPU); and the largest num_anchors that fits at each max_length on GPUs of GiB (default:
-    80 and 141, an H100/A100 and an H200)."""
+    """--plan=NODESxGPUS[:GiB]: the placement, each role's memory per GPU from the target's config.json alone (no
+    weights, tokenizer or GPU), and the largest num_anchors that fits per max_length on GiB GPUs (default 80, 141)."""
     from transformers import AutoConfig
     shape, _, gib = cfg.plan.partition(":")
     nodes, gpus = (int(x) for x in shape.lower().split("x"))
@@ -527,8 +503,7 @@ def drafter_cfg(cfg, target_config, tokenizer):
     if cfg.init_drafter:
         with open(os.path.join(cfg.init_drafter, "config.json")) as f:
             return DrafterConfig.from_json_dict(json.load(f))
-    mask = cfg.mask_token
-    mask = int(mask) if _is_id(mask) else (mask or None)
+    mask = int(cfg.mask_token) if _is_id(cfg.mask_token) else (cfg.mask_token or None)
     n = cfg.sliding_layers
     return drafter_config_from_target(
         target_config, tokenizer, num_layers=cfg.drafter_layers, num_target_features=cfg.target_features or None,
@@ -559,16 +534,14 @@ def load_data(cfg, d, tokenizer, mask_id):
 
 
 def load_target(cfg, dcfg, d):
-    """The frozen target on this rank, up to the deepest captured layer: built on the meta device, sharded with
-    FSDP2 on the target mesh (per decoder layer, then the root; resharded after every forward, as inference wants)
-    or replicated, then filled with this rank's shard only (pipeline.py)."""
+    """The frozen target on this rank, up to the deepest captured layer: built on the meta device, sharded with FSDP2
+    on the target mesh (resharded after every forward, as inference wants) or replicated, filled with its shard only."""
     t0 = time.time()
     base = target_decoder(cfg.target, max(dcfg.target_layer_ids) + 1, getattr(torch, cfg.dtype))
     if d.target_mesh is not None:
         from torch.distributed.fsdp import fully_shard
-        for layer in base.layers:
-            fully_shard(layer, mesh=d.target_mesh, reshard_after_forward=True)
-        fully_shard(base, mesh=d.target_mesh, reshard_after_forward=True)
+        for module in [*base.layers, base]:  # each decoder layer, then the root
+            fully_shard(module, mesh=d.target_mesh, reshard_after_forward=True)
     fill_target(base, cfg.target, d.device, getattr(torch, cfg.dtype), d.target_mesh, verbose=d.rank == d.targets[0])
     if d.rank == d.targets[0]:
         import resource  # peak host memory of this process so far: loading reads one tensor at a time
@@ -576,6 +549,7 @@ def load_target(cfg, dcfg, d):
               f"host RSS of rank {d.rank} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB",
               flush=True)
     return base
+
 
 if __name__ == "__main__":
     main(parse_config(sys.argv[1:]))
