@@ -435,6 +435,8 @@ def main(argv=None):
     target = functools.cache(lambda: data.load_target(a.target, a.device, dtype))  # one target for every checkpoint
 
     def run(drafter_path, **override):
+        print(f"evaluating {drafter_path or 'the target alone'}: {len(prompts)} prompts x {a.max_new_tokens} new "
+              f"tokens, {a.workers} worker(s) ...", flush=True)
         if a.workers > 1:
             res = evaluate_parallel(a.target, drafter_path, prompts, a.workers, a.device, dtype, **kw | override)
         else:
