@@ -649,8 +649,8 @@ def demo_settings(device, world=1):
                     procs_per_gpu=4),
         # a 5-layer drafter, responses of up to 256 tokens, every response position anchored. 4.3 epochs = 3,504
         # steps of 16 on the 13,050 kept answers: the reference recipe's ~6 minutes on one H200 at our speed, a third
-        # of its epochs on 4.4x the text. D-PACE weights and a rank-128 Markov head: at 1,200 steps each added about
-        # +0.5 held-out tau, both together +0.87 (BENCHMARKS.md). 1 GPU: colocated; N GPUs: 1 target + N-1 drafters
+        # of its epochs on 4.4x the text. D-PACE weights and a rank-128 Markov head: held-out tau 4.47 where decay
+        # with no head gives 3.49 (BENCHMARKS.md). 1 GPU: colocated; N GPUs: 1 target + N-1 drafters
         train=dict(train, drafter_layers=5, max_length=512, batch_size=16, num_anchors=256, lr=6e-4, warmup_ratio=0.04,
                    epochs=4.3, loss_weighting="dpace", markov_rank=128, log_every=50, ckpt_every=1000,
                    target_ranks=1, drafter_ranks=max(1, world - 1)),
