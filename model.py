@@ -15,7 +15,7 @@ Test: python -m pytest -q tests/test_model.py
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -384,6 +384,17 @@ class DFlashDrafter(nn.Module):
             h, kv = layer.forward_cached(h, ctx_new, kv, rope_ctx, rope_blk, sliding)
             new_cache.append(kv)
         return self.norm(h), new_cache
+
+
+def to_float8(drafter, recipe, emulate=False):
+    """FP8 matmuls for the drafter's linears (torchao.float8: dynamic tensorwise or rowwise scales, e4m3 forward,
+    gradients as the recipe says) where the sizes suit the FP8 kernels (multiples of 16). The weights keep their
+    dtype and names, so a checkpoint does not change. The Markov head is left alone: HeadCE does its matmuls.
+    emulate: FP8 rounding in ordinary matmuls, for CPU tests (no speedup)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    config = replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+    return convert_to_float8_training(drafter, config=config, module_filter_fn=lambda m, name: not name.startswith(
+        "markov_head") and m.in_features % 16 == 0 and m.out_features % 16 == 0)
 
 
 # ------------------------------------------------- checkpoint: config.json + model.safetensors, flat released key names

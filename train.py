@@ -13,6 +13,7 @@ Reading order: Config (edit the defaults, or pass --field=value), the schedule a
 main(); below the ruler the plumbing: config parsing and checks, loading the data and the target.
 """
 
+import importlib.util
 import json
 import math
 import os
@@ -29,7 +30,8 @@ import torch.distributed as dist
 from attention import compile_count, configure_compile
 from checkpoint import (list_ckpts, lock_run_dir, log_line, log_skipped, open_run_dir, plot_curves,
                         resume_point, save_checkpoint, warn_config_changes, write_done, write_run_info)
-from model import DFlashDrafter, DrafterConfig, dflash_loss, drafter_config_from_target, load_drafter, sample_anchors
+from model import (DFlashDrafter, DrafterConfig, dflash_loss, drafter_config_from_target, load_drafter, sample_anchors,
+                   to_float8)
 from pipeline import (USABLE, Capture, Colocated, Receiver, assign_roles, drafter_schedule, fill_target,
                       frozen_tables, largest_anchors, memory_check, on_gpu, per_step, placement_table, reduce_stats,
                       report_failure, role_of, run_target, setup_dist, target_decoder, teardown_dist, torchrun_env,
@@ -77,6 +79,7 @@ class Config:
     dtype: str = "bfloat16"  # bfloat16 (fp32 master weights and optimizer state) | float32
     device: str = "auto"  # auto | cuda | cpu
     compile: bool = True  # CUDA: compile each drafter layer (flex inside); False = eager layers, flex compiled
+    fp8: str = ""  # "" = bf16 matmuls | tensorwise | rowwise: FP8 drafter linears (model.to_float8, torchao)
     prefetch: int = 2  # micro-batches a target rank may have in flight to its drafters
     transport_timeout: int = 900  # seconds before a blocked collective or transfer fails the job
     # logging
@@ -189,6 +192,8 @@ def train(cfg, d, target_config, tokenizer):
     torch.manual_seed(cfg.seed)  # identical init on every drafter rank
     drafter = (load_drafter(cfg.init_drafter) if cfg.init_drafter else DFlashDrafter(dcfg)).to(d.device, dtype)
     drafter.compile_layers = cfg.compile
+    if cfg.fp8:  # before the optimizer and the compile; emulated on CPU (the same path, no speedup)
+        to_float8(drafter, cfg.fp8, emulate=d.device.type != "cuda")
     embed, head = frozen_tables(cfg.target, dtype, d.device)
     optim = Optimizer(cfg, drafter, d)
     if state:
@@ -394,6 +399,10 @@ RULES = SHAPE + [
     *_each(["dpace_alpha"], lambda x: 0 < x <= 1, "must be in (0, 1]"),
     *_each(["markov_rank"], lambda x: 0 <= x <= 4096, "must be in [0, 4096] (0: no Markov head)"),
     ("target_shard", lambda c, t: c.target_shard in ("fsdp", "replicate"), "must be fsdp or replicate"),
+    ("fp8", lambda c, t: c.fp8 in ("", "tensorwise", "rowwise"), "must be '', tensorwise or rowwise"),
+    ("fp8", lambda c, t: not c.fp8 or importlib.util.find_spec("torchao"), "needs torchao (requirements.txt)"),
+    ("fp8", lambda c, t: not (c.fp8 and on_gpu(c.device)) or torch.cuda.get_device_capability() >= (8, 9),
+     "needs FP8 tensor cores (compute capability 8.9 or newer)"),
     ("device", lambda c, t: c.device in ("auto", "cpu") or (c.device == "cuda" and torch.cuda.is_available()),
      "must be auto, cpu or cuda (cuda only where CUDA is available)"),
     # the run directory is the only place a run writes: run_name is one plain name inside out_dir, never a path

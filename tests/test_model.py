@@ -1,5 +1,6 @@
 """The drafter: train/inference parity, the objective by hand, checkpoint format, and that it can learn."""
 
+import copy
 import dataclasses
 import json
 import math
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 
 from attention import build_masks
 from model import (DFlashDrafter, DrafterConfig, block_labels, build_target_layer_ids, dflash_loss, dpace_weights,
-                   drafter_config_from_target, load_drafter, rope_inv_freq, sample_anchors, save_drafter)
+                   drafter_config_from_target, load_drafter, rope_inv_freq, sample_anchors, save_drafter, to_float8)
 
 V, D = 96, 64
 
@@ -169,6 +170,33 @@ def test_markov_head_loss_and_gradients_match_autograd(chunk):
     _same_loss_and_gradients(drafter, r, fused, (F.cross_entropy(logits, labels.reshape(-1), reduction="none")
                                                  * w.reshape(-1)).sum())
     assert all(fused[f"markov_head.markov_w{i}.weight"].abs().sum() > 0 for i in (1, 2))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_drafter_linears(recipe, tmp_path):
+    """to_float8: every drafter linear but the Markov head's becomes torchao's Float8Linear (emulated on CPU); the
+    loss moves by FP8 rounding only, the gradients keep their direction, the state dict keeps its names, and the
+    saved checkpoint loads as a plain drafter with the same weights."""
+    from torchao.float8.float8_linear import Float8Linear
+    drafter, embed, head, ids, lm, hidden, anchors, keep = _loss_setup(4)
+    torch.manual_seed(4)
+    drafter = DFlashDrafter(dataclasses.replace(drafter.cfg, markov_rank=16))
+    ref, keys = copy.deepcopy(drafter), list(drafter.state_dict())
+    to_float8(drafter, recipe, emulate=True)
+    fp8 = {n for n, m in drafter.named_modules() if isinstance(m, Float8Linear)}
+    linears = {n for n, m in ref.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert fp8 == linears - {"markov_head.markov_w2"} and len(fp8) == 1 + 7 * 2  # fc + 7 per layer
+    assert list(drafter.state_dict()) == keys
+    r8, r = (dflash_loss(m, embed, head, ids, lm, hidden, anchors, keep) for m in (drafter, ref))
+    for x in (r8, r):
+        x["loss_sum"].backward()
+    assert 0 < abs(r8["loss_sum"].item() / r["loss_sum"].item() - 1) < 0.02  # rounded, but only a little
+    for (n, p8), p in zip(drafter.named_parameters(), ref.parameters()):
+        assert F.cosine_similarity(p8.grad.flatten(), p.grad.flatten(), dim=0) > 0.98, n
+    save_drafter(drafter, tmp_path, dtype=None)
+    loaded = load_drafter(tmp_path)
+    assert not any(isinstance(m, Float8Linear) for m in loaded.modules())
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), ref.state_dict().values()))
 
 
 def test_sample_anchors():

@@ -153,6 +153,19 @@ def test_markov_head_trains_through_train_py(tiny_target, convs, tmp_path):
     assert rows[-1]["loss"] < rows[0]["loss"]
 
 
+def test_fp8_trains_through_train_py(tiny_target, convs, tmp_path):
+    """--fp8=rowwise (emulated on CPU): the run ends, its losses stay within FP8 rounding of the run without it (same
+    seed and data) while differing from them, and its checkpoint is a plain released-format drafter."""
+    from model import load_drafter
+    runs = {}
+    for name, extra in (("fp8", ["--fp8=rowwise"]), ("ref", [])):
+        p, _ = run_train(tiny_target, convs, tmp_path / name, 1, "--max_steps=3", *extra)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        runs[name] = [r["loss"] for r in metrics(tmp_path / name)]
+    assert runs["fp8"] != runs["ref"] and runs["fp8"] == pytest.approx(runs["ref"], rel=0.02)
+    assert load_drafter(tmp_path / "fp8" / "r" / "ckpt-0000003").cfg == load_drafter(tmp_path / "ref" / "r" / "init").cfg
+
+
 def test_resume_is_exact(tiny_target, convs, tmp_path):
     p, _ = run_train(tiny_target, convs, tmp_path / "a", 1, "--max_steps=6", "--batch_size=2")
     assert p.returncode == 0, p.stderr[-3000:]
