@@ -107,9 +107,8 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.H * self.hd))
 
     def forward_cached(self, x_BKD, ctx_new_BTD, cache_kv, rope_ctx, rope_blk, sliding_mask):
-        """Inference (eval.py): extend the context cache with new verified positions, attend one block over [cached
-        context ; block], cache only the context. rope_ctx / rope_blk: (cos, sin) of the new context and the block
-        positions; sliding_mask: [K, start+K] bool or None; all three shared by every layer."""
+        """Inference (eval.py): extend the context cache with the new verified positions, attend one block over
+        [cached context ; block], cache only the context. rope_*: (cos, sin); sliding_mask: [K, start+K] or None."""
         B, K, _ = x_BKD.shape
         k_new, v_new = self.project_kv(ctx_new_BTD, *rope_ctx)
         if cache_kv is not None:
@@ -268,11 +267,9 @@ def build_target_layer_ids(num_target_layers, n):
 
 def drafter_config_from_target(target_config, tokenizer=None, num_layers=5, num_target_features=None,
                                block_size=16, mask_token=None, layer_types=None, sliding_window=None, **overrides):
-    """A drafter config from any HF causal-LM config (nested text_config ok) and its tokenizer: sizes, heads, rope,
-    vocab from the target; target_layer_ids by the released rule (K = num_layers unless num_target_features says
-    otherwise). Mask token: an explicit `mask_token` (token string or id); else the tokenizer's mask token; else the
-    released convention, the first unused embedding row = len(tokenizer). A target with no free row (SmolLM2) needs
-    an explicit token that chat data never contains, e.g. "<empty_output>"."""
+    """A drafter config from any HF causal-LM config (nested text_config ok): sizes, heads, rope and vocab from the
+    target, target_layer_ids by the released rule. Mask token: `mask_token` (string or id), else the tokenizer's,
+    else the first unused embedding row (released convention); SmolLM2 has none free: pass e.g. "<empty_output>"."""
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     L, vocab = tc.num_hidden_layers, tc.vocab_size
     if mask_token is not None:
@@ -351,9 +348,8 @@ class DFlashDrafter(nn.Module):
         return self
 
     def forward(self, x_BQD, target_hidden_BSC, pos_blk_BQ, masks):
-        """Training forward over all blocks -> normed hidden [B,Q,D]. x: embedded block tokens; target_hidden: the
-        target-layer states of the S context positions; pos_blk: absolute positions of the block tokens (anchor+k);
-        masks: {layer_type: BlockMask or dense bool} (attention.build_masks). CUDA: compiled layers (compile_layers)."""
+        """Training forward over all blocks -> normed hidden [B,Q,D]. x: embedded block tokens; target_hidden: the S
+        context positions' target-layer states; pos_blk: anchor+k; masks: {layer_type: mask} (attention.build_masks)."""
         B, S = target_hidden_BSC.shape[:2]
         ctx = self.hidden_norm(self.fc(target_hidden_BSC))  # computed once, shared by every layer (paper §4.2)
         pos = torch.cat([torch.arange(S, device=x_BQD.device).expand(B, S), pos_blk_BQ], dim=1)  # [B, S+Q]
@@ -411,8 +407,7 @@ def save_drafter(drafter, out_dir, dtype=torch.bfloat16):
 
 
 def load_drafter(ckpt_dir, device="cpu", dtype=None):
-    """Load ours or any released DFlash drafter directory, in the saved dtype unless dtype is given. Every mismatch
-    is an error naming the key."""
+    """Load ours or any released DFlash drafter directory (saved dtype unless given); a mismatch names its key."""
     from safetensors.torch import load_file
     path = os.path.join(ckpt_dir, "config.json")
     with open(path) as f:
