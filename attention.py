@@ -39,8 +39,7 @@ def dflash_mask_mod(anchors_BN, keep_BN, S, K, window=None):
 
     def mask_mod(b, h, q_idx, kv_idx):
         n, j = (q_idx // K).clamp(max=N - 1), q_idx % K  # Q padded to whole tiles: padded rows reuse the last block
-        p = anchors_BN[b, n]
-        is_ctx = kv_idx < S
+        p, is_ctx = anchors_BN[b, n], kv_idx < S
         ctx = is_ctx & (kv_idx < p)
         blk = ~is_ctx & ((kv_idx - S) // K == n)
         if window is not None:
@@ -54,11 +53,10 @@ def dflash_mask_mod(anchors_BN, keep_BN, S, K, window=None):
 def dense_mask(anchors_BN, keep_BN, S, K, window=None):
     """The rule evaluated everywhere: bool [B, 1, N*K, S+N*K]. CPU/SDPA path and tests only (O(Q*KV) memory)."""
     (B, N), dev = anchors_BN.shape, anchors_BN.device
-    mask_mod = dflash_mask_mod(anchors_BN, keep_BN, S, K, window)
     b = torch.arange(B, device=dev).view(B, 1, 1, 1)
     q = torch.arange(N * K, device=dev).view(1, 1, -1, 1)
     kv = torch.arange(S + N * K, device=dev).view(1, 1, 1, -1)
-    return mask_mod(b, 0, q, kv)
+    return dflash_mask_mod(anchors_BN, keep_BN, S, K, window)(b, 0, q, kv)
 
 
 # -------------------------------------------------- BlockMask from the anchors, without evaluating the rule per element
