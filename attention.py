@@ -38,10 +38,8 @@ def dflash_mask_mod(anchors_BN, keep_BN, S, K, window=None):
     N = anchors_BN.shape[1]
 
     def mask_mod(b, h, q_idx, kv_idx):
-        n = (q_idx // K).clamp(max=N - 1)  # flex pads Q to a tile multiple: padded rows reuse the last block
-        j = q_idx % K
-        p = anchors_BN[b, n]
-        is_ctx = kv_idx < S
+        n, j = (q_idx // K).clamp(max=N - 1), q_idx % K  # Q padded to whole tiles: padded rows reuse the last block
+        p, is_ctx = anchors_BN[b, n], kv_idx < S
         ctx = is_ctx & (kv_idx < p)
         blk = ~is_ctx & ((kv_idx - S) // K == n)
         if window is not None:
@@ -55,11 +53,10 @@ def dflash_mask_mod(anchors_BN, keep_BN, S, K, window=None):
 def dense_mask(anchors_BN, keep_BN, S, K, window=None):
     """The rule evaluated everywhere: bool [B, 1, N*K, S+N*K]. CPU/SDPA path and tests only (O(Q*KV) memory)."""
     (B, N), dev = anchors_BN.shape, anchors_BN.device
-    mask_mod = dflash_mask_mod(anchors_BN, keep_BN, S, K, window)
     b = torch.arange(B, device=dev).view(B, 1, 1, 1)
     q = torch.arange(N * K, device=dev).view(1, 1, -1, 1)
     kv = torch.arange(S + N * K, device=dev).view(1, 1, 1, -1)
-    return mask_mod(b, 0, q, kv)
+    return dflash_mask_mod(anchors_BN, keep_BN, S, K, window)(b, 0, q, kv)
 
 
 # -------------------------------------------------- BlockMask from the anchors, without evaluating the rule per element
@@ -68,17 +65,13 @@ def _row_intervals(anchors_BN, keep_BN, S, K, window, Q_pad):
     Returns four int64 tensors [B, Q_pad]; empty intervals (padding blocks) are [0, 0)."""
     B, N = anchors_BN.shape
     q = torch.arange(Q_pad, device=anchors_BN.device)
-    n = (q // K).clamp(max=N - 1)  # same clamp as the mask_mod, so padded rows agree with the kernel
-    j = q % K
-    p = anchors_BN[:, n]  # [B, Q_pad]
-    keep = keep_BN[:, n]
-    ctx_hi = p
+    n, j = (q // K).clamp(max=N - 1), q % K  # same clamp as the mask_mod, so padded rows agree with the kernel
+    p = anchors_BN[:, n]  # [B, Q_pad], also ctx_hi
     ctx_lo = (p + j - (window - 1)).clamp(min=0) if window is not None else torch.zeros_like(p)
-    ctx_lo = torch.minimum(ctx_lo, ctx_hi)
     blk_lo = (S + n * K).expand(B, -1)
     blk_hi = blk_lo + (j + 1 if window is not None else K)
-    zero = torch.zeros_like(p)
-    return [torch.where(keep, t, zero) for t in (ctx_lo, ctx_hi, blk_lo, blk_hi)]
+    keep, zero = keep_BN[:, n], torch.zeros_like(p)
+    return [torch.where(keep, t, zero) for t in (torch.minimum(ctx_lo, p), p, blk_lo, blk_hi)]
 
 
 def _tiles_to_ordered(tiles_BQT):
@@ -86,38 +79,30 @@ def _tiles_to_ordered(tiles_BQT):
     KVT = tiles_BQT.shape[-1]
     col = torch.arange(KVT, device=tiles_BQT.device)
     order = torch.sort(torch.where(tiles_BQT, col, col + KVT), dim=-1).indices
-    num = tiles_BQT.sum(-1, dtype=torch.int32)
-    return num.unsqueeze(1), order.to(torch.int32).unsqueeze(1)
-
-
-def block_tiles(anchors_BN, keep_BN, S_t, K, window, QT, KVT):
-    """Tile tables of the DFlash BlockMask: (partial num, partial idx, full num, full idx), flex's layout.
-    A KV tile is 'partial' if any row of the Q tile may see any key in it (union of the rows' intervals, by a
-    difference array), and 'full' if every row sees all of it (intersection of intervals), so the kernel skips
-    mask evaluation there. Pure tensor ops, no host sync."""
-    B, dev = anchors_BN.shape[0], anchors_BN.device
-    lo_hi = _row_intervals(anchors_BN, keep_BN, S_t, K, window, QT * TILE)
-    # union: +1 at the first tile of each non-empty interval, -1 after its last tile, cumsum > 0
-    diff = torch.zeros(B, QT * (KVT + 1), dtype=torch.int32, device=dev)
-    qtile = (torch.arange(QT * TILE, device=dev) // TILE).expand(B, -1)
-    for lo, hi in (lo_hi[0:2], lo_hi[2:4]):
-        nonempty = (hi > lo).int()
-        diff.scatter_add_(1, qtile * (KVT + 1) + lo // TILE, nonempty)
-        diff.scatter_add_(1, qtile * (KVT + 1) + (hi - 1).clamp(min=0) // TILE + 1, -nonempty)
-    any_BQT = diff.view(B, QT, KVT + 1).cumsum(-1)[..., :KVT] > 0
-    # intersection: tile c is full if, for every row, one interval covers [c*TILE, (c+1)*TILE)
-    start = torch.arange(KVT, device=dev) * TILE
-    full_BQT = torch.zeros_like(any_BQT)
-    for lo, hi in (lo_hi[0:2], lo_hi[2:4]):
-        lo_max = lo.view(B, QT, TILE).amax(-1, keepdim=True)
-        hi_min = hi.view(B, QT, TILE).amin(-1, keepdim=True)
-        full_BQT |= (start >= lo_max) & (start + TILE <= hi_min)
-    return (*_tiles_to_ordered(any_BQT & ~full_BQT), *_tiles_to_ordered(full_BQT))
+    return tiles_BQT.sum(-1, dtype=torch.int32).unsqueeze(1), order.to(torch.int32).unsqueeze(1)
 
 
 def _block_mask(anchors_BN, keep_BN, S_t, K, window, QT, KVT, Q, KV, mask_mod):
-    """Tile tables -> BlockMask; from_kv_blocks also derives the transposed (per KV tile) tables of the backward."""
-    tables = block_tiles(anchors_BN, keep_BN, S_t, K, window, QT, KVT)
+    """The DFlash BlockMask from its tile tables. A KV tile is 'partial' if any row of the Q tile may see any key in
+    it (union of the rows' intervals, by a difference array), and 'full' if every row sees all of it (intersection of
+    intervals), so the kernel skips mask evaluation there. Pure tensor ops, no host sync; from_kv_blocks also derives
+    the transposed (per KV tile) tables of the backward."""
+    B, dev = anchors_BN.shape[0], anchors_BN.device
+    lo_hi = _row_intervals(anchors_BN, keep_BN, S_t, K, window, QT * TILE)
+    diff = torch.zeros(B, QT * (KVT + 1), dtype=torch.int32, device=dev)
+    qtile = (torch.arange(QT * TILE, device=dev) // TILE).expand(B, -1)
+    start = torch.arange(KVT, device=dev) * TILE
+    full_BQT = torch.zeros(B, QT, KVT, dtype=torch.bool, device=dev)
+    for lo, hi in (lo_hi[0:2], lo_hi[2:4]):
+        # union: +1 at the first tile of each non-empty interval, -1 after its last tile, cumsum > 0
+        nonempty = (hi > lo).int()
+        diff.scatter_add_(1, qtile * (KVT + 1) + lo // TILE, nonempty)
+        diff.scatter_add_(1, qtile * (KVT + 1) + (hi - 1).clamp(min=0) // TILE + 1, -nonempty)
+        # intersection: tile c is full if, for every row, one interval covers [c*TILE, (c+1)*TILE)
+        lo_max, hi_min = lo.view(B, QT, TILE).amax(-1, keepdim=True), hi.view(B, QT, TILE).amin(-1, keepdim=True)
+        full_BQT |= (start >= lo_max) & (start + TILE <= hi_min)
+    any_BQT = diff.view(B, QT, KVT + 1).cumsum(-1)[..., :KVT] > 0
+    tables = (*_tiles_to_ordered(any_BQT & ~full_BQT), *_tiles_to_ordered(full_BQT))
     return BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(Q, KV))
 
 
@@ -132,13 +117,10 @@ def dflash_block_mask(anchors_BN, keep_BN, S, K, window=None, compiled=None):
     Q x KV mask, no create_block_mask. Anchors need not be sorted for correctness; sorting them (sample_anchors
     does) keeps each Q tile's visible context a short prefix, which is where the speed is.
     compiled: default on CUDA tensors; True works on CPU too (tests compare both)."""
-    compiled = anchors_BN.is_cuda if compiled is None else compiled
-    B, N = anchors_BN.shape
-    Q, KV = N * K, S + N * K
-    S_t = torch.as_tensor(S, device=anchors_BN.device)
-    mask_mod = dflash_mask_mod(anchors_BN, keep_BN, S_t, K, window)
-    build = _block_mask_compiled if compiled else _block_mask
-    return build(anchors_BN, keep_BN, S_t, K, window, -(-Q // TILE), -(-KV // TILE), Q, KV, mask_mod)
+    Q, S_t = anchors_BN.shape[1] * K, torch.as_tensor(S, device=anchors_BN.device)
+    build = _block_mask_compiled if (anchors_BN.is_cuda if compiled is None else compiled) else _block_mask
+    return build(anchors_BN, keep_BN, S_t, K, window, -(-Q // TILE), -(-(S + Q) // TILE), Q, S + Q,
+                 dflash_mask_mod(anchors_BN, keep_BN, S_t, K, window))
 
 
 def build_masks(anchors_BN, keep_BN, S, K, layer_types, window, backend):

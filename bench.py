@@ -63,16 +63,14 @@ def table(case):
 
 def cuda_time(fn, iters, warmup=2):
     """Median milliseconds of fn() over iters calls, each synchronized, after `warmup` untimed ones."""
-    for _ in range(warmup):
-        fn()
     times = []
-    for _ in range(iters):
+    for _ in range(warmup + iters):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return statistics.median(times[warmup:])
 
 
 def matmul_ceiling(n=8192):
@@ -101,9 +99,8 @@ def step_flops(cfg, S, anchors, keep):
                            cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size)
     K, N, Q = cfg.block_size, anchors.shape[0], anchors.numel() * cfg.block_size  # Q: block rows, padding ones too
     per_row = 2 * D * (2 * H * hd + 2 * Hkv * hd + 3 * F)  # q, o, k, v of block tokens + SwiGLU
-    per_ctx = 2 * D * 2 * Hkv * hd  # each layer projects the context to k, v
     fl = 2 * S * N * len(cfg.target_layer_ids) * D * D * 2  # fc, 2x
-    fl += 3 * cfg.num_hidden_layers * (Q * per_row + S * N * per_ctx)
+    fl += 3 * cfg.num_hidden_layers * (Q * per_row + S * N * 2 * D * 2 * Hkv * hd)  # + the context's k, v per layer
     j, p = torch.arange(K, device=anchors.device), anchors[:, :, None].float()
     for t in cfg.layer_types:  # visible keys per row: context + block part
         if t == "full_attention":
@@ -150,7 +147,6 @@ def bench_drafter(args):
         r = dflash_loss(drafter, embed, head, ids, lm, hidden, anchors, keep, backend="flex", chunk_blocks=args.chunk)
         if backward:
             (r["loss_sum"] / r["weight_sum"]).backward()
-
     steps = lambda *lengths: cuda_time(lambda: [step(*batch(s)) for s in lengths], 1, warmup=0)  # -> ms, one each
     ceiling, seqs = matmul_ceiling(), [int(s) for s in args.seq.split(",")]
     print(f"{case}: {sum(p.numel() for p in drafter.parameters()) / 1e9:.3f}B params (+ frozen embed/head "
@@ -160,12 +156,11 @@ def bench_drafter(args):
     row("compile warm-up (3 steps, 2 lengths)", f"{warm_ms / 1e3:.1f} s, {warm_graphs} graphs")
     for S in seqs:
         ids, lm, hidden = batch(S)
-        anchors, keep = sample_anchors(lm, args.anchors, gen)
+        fl = step_flops(cfg, S, *sample_anchors(lm, args.anchors, gen))
         torch.cuda.reset_peak_memory_stats()
         drafter.zero_grad(set_to_none=True)
         ms_fwd = cuda_time(lambda: step(ids, lm, hidden, backward=False), args.iters)
         ms = cuda_time(lambda: step(ids, lm, hidden), args.iters)
-        fl = step_flops(cfg, S, anchors, keep)
         row(f"S={S}: forward + loss", f"{ms_fwd:.1f} ms")
         row(f"S={S}: forward + backward + loss", f"{ms:.1f} ms", f"{fl / 1e12:.1f} TFLOP: {mfu(fl, ms, ceiling)}")
         row(f"S={S}: peak memory", f"{torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB")
@@ -206,8 +201,7 @@ def bench_drafter(args):
 def build_target(name):
     """Random bf16 CausalLM on the GPU from the config -> (model, layer ids, shapes, kernels note)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    model_type, conf, ids, shapes = TARGETS[name]
-    kernels = "sdpa"
+    (model_type, conf, ids, shapes), kernels = TARGETS[name], "sdpa"
     if name == "27b":
         try:  # flash-linear-attention kernels for the Gated-DeltaNet layers
             import fla
@@ -218,14 +212,6 @@ def build_target(name):
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **conf), dtype=torch.bfloat16)
     return model.eval().requires_grad_(False), ids, shapes, kernels
-
-
-def forward_flops(decoder, n_layers, B, S):
-    """2 FLOP per weight per token of the layers run + causal attention (QK^T, PV over S/2 keys) in full layers."""
-    c = decoder.config
-    body = sum(p.numel() for p in decoder.layers[:n_layers].parameters())
-    n_attn = (getattr(c, "layer_types", None) or ["full_attention"] * n_layers)[:n_layers].count("full_attention")
-    return B * S * (2 * body + n_attn * 2 * 2 * (S / 2) * c.num_attention_heads * c.head_dim)
 
 
 def truncate(decoder, keep):
@@ -249,16 +235,21 @@ def bench_target(args):
         x = torch.randint(0, dec.config.vocab_size, (B, S), device="cuda")
         ms = cuda_time(lambda: fn(x), args.iters)
         return ms, B * S / (ms * 1e-3)
+
+    def flops(n_layers, B, S):  # 2 per weight per token of the layers run + causal attention (QK^T, PV over S/2 keys)
+        c, body = dec.config, sum(p.numel() for p in dec.layers[:n_layers].parameters())
+        n_attn = (getattr(c, "layer_types", None) or ["full_attention"] * n_layers)[:n_layers].count("full_attention")
+        return B * S * (2 * body + n_attn * 2 * 2 * (S / 2) * c.num_attention_heads * c.head_dim)
     bare = {}
     for B, S in shapes:  # bare HF: the whole decoder stack, no hooks, no LM head (logits are not needed)
         ms, bare[B, S] = rate(lambda x: dec(input_ids=x, use_cache=False), B, S)
         row(f"B={B} S={S}: bare HF decoder forward, {L} layers", f"{bare[B, S]:.0f} tok/s",
-            mfu(forward_flops(dec, L, B, S), ms, ceiling))
+            mfu(flops(L, B, S), ms, ceiling))
     cap = Capture(truncate(dec, keep), ids)
     for B, S in shapes:
         ms, tps = rate(cap, B, S)
         row(f"B={B} S={S}: capture path (train.py), {keep} layers + hooks", f"{tps:.0f} tok/s",
-            f"{tps / bare[B, S]:.0%} of bare; {mfu(forward_flops(dec, keep, B, S), ms, ceiling)}")
+            f"{tps / bare[B, S]:.0%} of bare; {mfu(flops(keep, B, S), ms, ceiling)}")
     row("peak memory", f"{torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB")
     if args.model == "8b":  # FSDP2 on a one-GPU mesh: the wrapper's cost (its all-gather of one rank is a copy)
         import torch.distributed as dist
@@ -295,15 +286,13 @@ def bench_e2e(args):
         optim.step(6e-4, r["weight_sum"].item())  # .item(): train.py's stats .cpu()
         torch.cuda.synchronize()
         split.append((1e3 * (t1 - t0), 1e3 * (time.perf_counter() - t1)))
-
     steps = lambda n: cuda_time(lambda: [step(i) for i in range(n)], 1, warmup=0) / 1e3  # -> seconds
     steps(4)  # warm-up: compiles
-    split.clear()
     warm, wall = compile_count(), steps(args.iters)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         profiled = steps(3)
     busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6 / profiled
-    t_t, t_d = (statistics.mean(x) for x in zip(*split[:args.iters]))
+    t_t, t_d = (statistics.mean(x) for x in zip(*split[4:4 + args.iters]))  # past the warm-up
     tokens = sum(S - 128 * (i % 2) for i in range(args.iters))
     row(f"S={S}/{S - 128}, {args.anchors} anchors: throughput", f"{tokens / wall:.0f} tok/s",
         f"{args.iters / wall:.2f} steps/s, target {kernels}")
@@ -361,13 +350,11 @@ def bench_plan(args):
             r["loss_sum"].backward()
             optim.step(1e-4, r["weight_sum"].item())
         return torch.cuda.max_memory_allocated() / GiB
-
-    tc27 = AutoConfig.for_model(TARGETS["27b"][0], **QWEN36_27B)
+    tc27, dcfg = AutoConfig.for_model(TARGETS["27b"][0], **QWEN36_27B), DrafterConfig(**PRESETS["27b"])
     for S in (int(s) for s in args.seq.split(",")) if args.preset == "27b" else ():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         cfg = Config(max_length=S, num_anchors=args.anchors, loss_chunk=args.chunk)
-        dcfg = DrafterConfig(**PRESETS["27b"])
         est, got = memory_need(cfg, dcfg, tc27, 8)["drafter"], measure(cfg, dcfg)
         row(f"27B drafter rank, S={S}, {args.anchors} anchors", f"{est:.2f} vs {got:.2f} GiB", f"{est / got - 1:+.1%}")
     if args.preset != "smol":
@@ -393,9 +380,8 @@ def run_all(args):
         print(f"\n$ python bench.py {case}", flush=True)
         cmd = [sys.executable, __file__, *case.split(), "--json", out]
         try:
-            if subprocess.run(cmd, timeout=args.case_timeout).returncode:
-                failed.append(case)
-        except subprocess.TimeoutExpired:
+            subprocess.run(cmd, timeout=args.case_timeout, check=True)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
             failed.append(case)
         if os.path.exists(out):
             with open(out) as f:

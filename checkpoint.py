@@ -78,9 +78,8 @@ def write_done(run_dir, total, bad_steps, streak, last_good):
 # ------------------ checkpoints: ckpt-<step>/ = the released-format drafter + train_state.pt (masters, optimizer, step)
 def list_ckpts(run_dir):
     """Complete checkpoints, oldest first: exactly ckpt-<7 digits>, never a .tmp (a write) or a .old (being removed)."""
-    if not os.path.isdir(run_dir):
-        return []
-    return sorted(c for c in os.listdir(run_dir) if c.startswith("ckpt-") and c[5:].isdigit())
+    names = os.listdir(run_dir) if os.path.isdir(run_dir) else []
+    return sorted(c for c in names if c.startswith("ckpt-") and c[5:].isdigit())
 
 
 def _fsync(path):  # a file or a directory: on disk, not just in the page cache, before the rename publishes it
@@ -186,9 +185,8 @@ def lock_run_dir(run_dir):
 def log_line(d, run_dir, step, total, s, gnorm, lr, dt, recompiles, bad_steps=0, eta_s=0.0):
     s = {k: (v.item() if v.numel() == 1 else v) for k, v in s.items()}
     correct, count = s["correct_K"], s["count_K"]
-    T, Dr = len(d.targets), len(d.drafters)
-    t_busy = s["target_s"] / (T * dt)  # summed per-GPU busy seconds over (GPUs x wall seconds)
-    d_busy = s["drafter_s"] / (Dr * dt)
+    # busy: summed per-GPU busy seconds over (GPUs x wall seconds)
+    t_busy, d_busy = s["target_s"] / (len(d.targets) * dt), s["drafter_s"] / (len(d.drafters) * dt)
     cap_t, cap_d = (s["sequences"] / max(s[k], 1e-9) for k in ("target_s", "drafter_s"))  # seq/s one GPU sustains
     balance = d.world * cap_d / (cap_t + cap_d)  # target GPUs that would exactly feed the rest
     mem = torch.cuda.max_memory_allocated() / 2 ** 30 if d.device.type == "cuda" else 0.0

@@ -127,9 +127,8 @@ def launcher_start():
 
 
 def report_failure(msg, when=None):
-    """Write torchrun's per-rank error file (TORCHELASTIC_ERROR_FILE): the launcher's summary prints `msg` under the
-    rank and exit code, and names as the root cause the failure with the smallest timestamp `when` (default: now),
-    ties going to the rank whose exit it saw first. Without torchrun: nothing."""
+    """Write torchrun's per-rank error file (TORCHELASTIC_ERROR_FILE), if any: its summary prints `msg` under the rank
+    and exit code, and names as the root cause the failure with the smallest timestamp `when` (default: now)."""
     path = torchrun_env().error_file
     if path:  # written aside, then renamed: the launcher never reads half a file (a SIGTERM may land mid-write)
         tmp = f"{path}.{time.monotonic_ns()}.tmp"
@@ -163,8 +162,7 @@ def watch_for_death(rank, role):
 def placement_table(world, local_world, cfg):
     """The role of every rank and who sends hidden states to whom; pure (no GPU, no process group)."""
     targets, drafters = assign_roles(world, cfg, local_world)
-    nnodes = world // local_world
-    feeds = {r: set() for r in range(world)}
+    nnodes, feeds = world // local_world, {r: set() for r in range(world)}
     for m in range(per_step(len(drafters), cfg.grad_accum) * max(1, len(targets)) * 2):  # covers every pairing
         src, dst, _ = route(m, targets, drafters, nnodes, cfg.grad_accum)
         feeds[src].add(dst)
@@ -174,10 +172,9 @@ def placement_table(world, local_world, cfg):
              f"({'replicated across nodes' if nnodes > 1 else 'one replica'}); the drafter is data-parallel over "
              f"all {len(drafters)} drafter ranks",
              "  rank  node  local  role            sends to / receives from"]
-    for r in range(world):
-        arrow = "" if world == 1 else ("-> " if r in targets else "<- ") + ",".join(map(str, sorted(feeds[r])))
-        lines.append(f"  {r:4d}  {r // local_world:4d}  {r % local_world:5d}  {role_of(r, targets, drafters):14s}  "
-                     f"{arrow}")
+    lines += [f"  {r:4d}  {r // local_world:4d}  {r % local_world:5d}  {role_of(r, targets, drafters):14s}  "
+              + ("" if world == 1 else ("-> " if r in targets else "<- ") + ",".join(map(str, sorted(feeds[r]))))
+              for r in range(world)]
     if nnodes > 1:
         lines.append("  across nodes: only the drafter gradient all-reduce (hidden states and target all-gathers "
                      "stay inside each node)")
@@ -304,8 +301,7 @@ def target_decoder(path, n_layers, dtype):
 def fill_target(base, path, device, dtype, mesh=None, verbose=False):
     """Materialize `base` (already sharded, or not) on `device` and copy in the checkpoint, this rank's shard only."""
     base.to_empty(device=device)
-    w, t0 = Weights(path), time.time()
-    params = dict(base.named_parameters())
+    w, t0, params = Weights(path), time.time(), dict(base.named_parameters())
     for i, (name, p) in enumerate(params.items()):
         full = w.get("model." + name).to(dtype)
         if hasattr(p, "to_local"):  # FSDP2 DTensor: this mesh rank's dim-0 chunk, as fully_shard splits it
@@ -319,22 +315,16 @@ def fill_target(base, path, device, dtype, mesh=None, verbose=False):
         for bname, buf in mod._buffers.items():
             if buf is not None and bname not in mod._non_persistent_buffers_set:
                 buf.copy_(w.get("model." + (f"{mname}.{bname}" if mname else bname)))
-    _reinit_nonpersistent_buffers(base)
-    return base
-
-
-def _reinit_nonpersistent_buffers(model):
-    """to_empty leaves non-persistent buffers (rotary inv_freq) uninitialized: copy them from a fresh module built
-    from its own config (fp32, CPU). A module without a config is an error, never garbage."""
-    for mname, mod in model.named_modules():
+        # to_empty leaves non-persistent buffers (rotary inv_freq) uninitialized: they are copied from a fresh module
+        # built from its own config (fp32, CPU); a module without a config is an error, never garbage
         names = [b for b in mod._non_persistent_buffers_set if mod._buffers.get(b) is not None]
-        if not names:
-            continue
-        if not hasattr(mod, "config"):
+        if names and not hasattr(mod, "config"):
             raise RuntimeError(f"cannot initialize non-persistent buffers {names} of {mname} ({type(mod).__name__})")
-        fresh = type(mod)(config=mod.config)
-        for b in names:
-            mod._buffers[b].copy_(fresh._buffers[b])
+        if names:
+            fresh = type(mod)(config=mod.config)
+            for b in names:
+                mod._buffers[b].copy_(fresh._buffers[b])
+    return base
 
 
 def frozen_tables(path, dtype, device):
@@ -351,13 +341,12 @@ class Capture:
 
     def __init__(self, base, layer_ids):
         self.base, self.ids, self.out = base, list(layer_ids), {}
-        for i in set(self.ids):
-            base.layers[i].register_forward_hook(self._hook(i))
+        self.layer_id = {base.layers[i]: i for i in set(self.ids)}
+        for layer in self.layer_id:
+            layer.register_forward_hook(self._hook)
 
-    def _hook(self, i):
-        def hook(mod, args, output):
-            self.out[i] = output[0] if isinstance(output, tuple) else output
-        return hook
+    def _hook(self, layer, args, output):
+        self.out[self.layer_id[layer]] = output[0] if isinstance(output, tuple) else output
 
     @torch.no_grad()
     def __call__(self, input_ids_BS):
@@ -380,10 +369,10 @@ def route(m, targets, drafters, nnodes, grad_accum):
     dealt round-robin to node n's targets. One node: k == m and the target is targets[m % T]."""
     Dr = len(drafters)
     D, T = Dr // nnodes, len(targets) // nnodes  # per node
-    j = m % Dr
-    n, dl = divmod(j, D)
-    k = ((m // per_step(Dr, grad_accum)) * grad_accum + (m % per_step(Dr, grad_accum)) // Dr) * D + dl
-    return targets[n * T + k % T], drafters[j], k
+    n, dl = divmod(m % Dr, D)
+    s, a = divmod(m, per_step(Dr, grad_accum))  # its optimizer step, its place in that step
+    k = (s * grad_accum + a // Dr) * D + dl
+    return targets[n * T + k % T], drafters[m % Dr], k
 
 
 def node_micro_batch(k, n, nnodes, n_drafters, grad_accum):
@@ -411,8 +400,7 @@ def run_target(cfg, d, batcher, capture, start_step, total_steps):
     """Target rank: prefill this node's micro-batches k = t, t + T, ... (T targets per node) from start_step to
     total_steps, send each to its drafter, at most `prefetch` in flight. The node's target ranks run the same number
     of forwards (FSDP all-gathers are collective): one with no micro-batch left in the last round runs a dummy."""
-    nn, Dr, A = d.nnodes, len(d.drafters), cfg.grad_accum
-    T = len(d.targets) // nn
+    nn, Dr, A, T = d.nnodes, len(d.drafters), cfg.grad_accum, len(d.targets) // d.nnodes
     n, t = divmod(d.targets.index(d.rank), T)
     per_node = per_step(Dr // nn, A)  # micro-batches per optimizer step on one node
     k0, k1 = start_step * per_node, total_steps * per_node
@@ -464,15 +452,13 @@ class Receiver:
         """-> (batch on this device, hidden states [B, S, C], the target's forward seconds)."""
         if self.posted is None:
             self._post_next()
-        mm, src, h, work = self.posted
-        self.posted = None
+        (mm, src, h, work), self.posted = self.posted, None
         work.wait()
         hm, B, S, fwd_us = h[:4].tolist()
         if not hm == mm == m:
             raise RuntimeError(f"rank {self.d.rank}: got micro-batch {hm} from rank {src}, expected {m}")
-        dev = self.d.device
-        ids, lm = (torch.empty(B, S, dtype=torch.long, device=dev) for _ in "il")
-        hidden = torch.empty(B, S, self.C, dtype=self.dtype, device=dev)
+        ids, lm = (torch.empty(B, S, dtype=torch.long, device=self.d.device) for _ in "il")
+        hidden = torch.empty(B, S, self.C, dtype=self.dtype, device=self.d.device)
         for w in [dist.irecv(x, src, group=self.d.transport) for x in (ids, lm, hidden)]:
             w.wait()
         self._post_next()
@@ -486,8 +472,7 @@ class Colocated:
         self.batcher, self.capture, self.device = batcher, capture, device
 
     def get(self, m):
-        batch = batch_at(self.batcher, m)
-        t0 = time.perf_counter()
+        batch, t0 = batch_at(self.batcher, m), time.perf_counter()
         hidden = self.capture(batch["input_ids"].to(self.device))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
