@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 import eval as ev
 from attention import build_masks, compile_count, configure_compile, dflash_block_mask, flex_compiled
 from data import demo_settings
-from model import DFlashDrafter, DrafterConfig, HeadCE, dflash_loss, sample_anchors
+from model import DFlashDrafter, DrafterConfig, HeadCE, dflash_loss, sample_anchors, to_float8
 from pipeline import Capture, GiB, memory_need
 from train import Config, Optimizer
 
@@ -128,11 +128,13 @@ def optimizer_ms(drafter):
 def bench_drafter(args):
     configure_compile()
     torch.manual_seed(0)
-    case = f"drafter {args.preset}" + " eager layers" * args.eager + f" Markov head r={args.markov_rank}" * (
-        args.markov_rank > 0)
+    case = f"drafter {args.preset}" + " eager layers" * args.eager + f" fp8 {args.fp8}" * bool(args.fp8) + (
+        f" Markov head r={args.markov_rank}" * (args.markov_rank > 0))
     cfg, row = DrafterConfig(**PRESETS[args.preset], markov_rank=args.markov_rank), table(case)
     drafter = DFlashDrafter(cfg).to("cuda", torch.bfloat16)
     drafter.compile_layers = not args.eager
+    if args.fp8:  # torchao float8 linears, as train.py's --fp8
+        to_float8(drafter, args.fp8)
     V, D, K, W, Q = cfg.vocab_size, cfg.hidden_size, cfg.block_size, cfg.sliding_window, args.anchors * cfg.block_size
     embed, head = (torch.randn(V, D, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in "eh")
     gen = torch.Generator("cuda").manual_seed(0)
@@ -370,7 +372,8 @@ def bench_plan(args):
 CASES = ["ceilings", "drafter --preset 27b --seq 4096,2048 --breakdown", "drafter --preset 27b --eager",
          "drafter --preset 8b --seq 3072 --breakdown", "target --model 8b", "target --model 27b", "e2e --model 8b",
          "target --model 27b --no-fla", "decode", "plan --seq 4096",
-         "plan --seq 2048", "plan --preset smol"]  # 7, the torch fallback: only when asked
+         "plan --seq 2048", "plan --preset smol", "drafter --preset 27b --fp8 rowwise --breakdown",
+         "drafter --preset 27b --fp8 tensorwise", "drafter --preset 8b --seq 3072 --fp8 rowwise"]  # 7: only when asked
 
 
 def run_all(args):
@@ -403,6 +406,7 @@ def main(argv=None):
                                 ("--cases", "", "all: indices into CASES, e.g. 0,1,2; default all but 7"),
                                 ("--json", "", "also write the rows here"), ("--chunk", 64, "objective chunk (blocks)"),
                                 ("--markov_rank", 0, "drafter: a Markov head of this rank"),
+                                ("--fp8", "", "drafter: tensorwise | rowwise FP8 linears (torchao)"),
                                 ("--case-timeout", 300, "all: seconds per case"), ("--anchors", 512, None),
                                 ("--new_tokens", 128, "decode: new tokens"), ("--seq_e2e", 3072, None)):
         ap.add_argument(flag, type=type(default), default=default, help=help)  # a str or an int, as its default
