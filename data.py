@@ -87,9 +87,8 @@ def _records(path):
     found = []
 
     def pairs(kv):  # json.loads would keep the last of a repeated key silently
-        keys = [k for k, _ in kv]
-        if len(set(keys)) < len(keys):
-            found.append(BadRecord("duplicate key", repr(next(k for k in keys if keys.count(k) > 1))))
+        if repeated := [k for k, n in Counter(k for k, _ in kv).items() if n > 1]:
+            found.append(BadRecord("duplicate key", repr(repeated[0])))
         return dict(kv)
 
     def parse(text, pos):
@@ -233,8 +232,7 @@ def tokenize_conversation(tokenizer, messages, max_length, **template_kwargs):
     """-> (input_ids, loss_mask) as lists, right-truncated to max_length; the mask is 1 on every token overlapping an
     answer or its end-of-turn token (`<|im_end|>`), not on the template's "\\n" after it (serving stops at eos: the
     drafter never has to propose it, unlike SpecForge's `<|im_end|>\\n`). A second render, each answer replaced by a
-    marker (its index between private-use characters the text lacks), places the answers: the text must read template,
-    answer, template, ... exactly (each answer found in its own turn, in two renders), or the record is refused."""
+    marker (its index between private-use characters the text lacks), places the answers, or refuses the record."""
     text = _render(tokenizer, messages, False, template_kwargs)
     mk = next((chr(x) for x in range(0xE000, 0xF900) if chr(x) not in text), "\ue000")
     probe = [dict(m, content=f"{mk}{i}{mk}") if m["role"] == "assistant" else m for i, m in enumerate(messages)]
@@ -286,36 +284,31 @@ def cache_key(path, tokenizer, max_length, template_kwargs, skip_invalid=False):
     """Hash of every input that changes what is kept: a strict read never finds a copy that skipped broken records."""
     backend = getattr(tokenizer, "backend_tokenizer", None)  # vocab + merges + normalizer, all of it
     tok = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    source = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            source.update(chunk)
+        source = hashlib.file_digest(f, "sha256").hexdigest()
     key = dict(v=CACHE_VERSION, tokenizer=hashlib.sha256(tok.encode()).hexdigest(), eos=tokenizer.eos_token,
                template=tokenizer.chat_template, max_length=max_length, kwargs=template_kwargs,
-               source=source.hexdigest(), skip_invalid=skip_invalid,
+               source=source, skip_invalid=skip_invalid,
                limits=[MAX_RECORD_CHARS, MAX_TURNS, MAX_LINE_BYTES, UNREAD_FIELDS])
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def load_tokenized(path, tokenizer, max_length, cache_dir=None, skip_invalid=False, **template_kwargs):
-    """Tokenize `path` -> Tokenized, memory-mapped from cache_dir/tok-<key>/ (made once; None: in memory); prints the
-    read/skip summary."""
+    """`path` -> Tokenized, memory-mapped from cache_dir/tok-<key>/ (made once; None: in memory); prints the Report."""
     out = (Path(cache_dir) / f"tok-{cache_key(path, tokenizer, max_length, template_kwargs, skip_invalid)}"
            if cache_dir else None)
     if out is not None and (out / "meta.json").exists():
         print(json.loads((out / "meta.json").read_text())["summary"] + f" [cached in {out}]")
         return Tokenized(*(np.load(out / f"{n}.npy", mmap_mode="r") for n in Tokenized._fields))
-    report, ids, mask, lines = Report(path), [], [], []  # one array per sequence: int lists would cost ~30x
+    report, seqs = Report(path), []  # (ids, mask, line): one array per sequence, int lists would cost ~30x
     check = partial(tokenize_conversation, tokenizer, max_length=max_length, **template_kwargs)
     for line, _, _, (x, m) in _read(path, report, skip_invalid, True, tokenizer, check):
-        if not has_consecutive_supervised(m):  # nothing to train on: always skipped, always counted
+        if has_consecutive_supervised(m):
+            seqs.append((np.asarray(x, np.int32), np.asarray(m, np.uint8), line))
+        else:  # nothing to train on: always skipped, always counted
             report.skip(line, BadRecord("<2 consecutive supervised tokens", "after truncation"))
-            continue
-        ids.append(np.asarray(x, np.int32))
-        mask.append(np.asarray(m, np.uint8))
-        lines.append(line)
     print(report.summary())
-    report.kept(ids, "sequence has 2 consecutive supervised tokens")
+    ids, mask, lines = zip(*report.kept(seqs, "sequence has 2 consecutive supervised tokens"))
     data = Tokenized(np.concatenate(ids), np.concatenate(mask), np.cumsum([0] + [len(x) for x in ids], dtype=np.int64),
                      np.asarray(lines, np.int64))
     if out is None:
@@ -392,10 +385,11 @@ def _fix_special_tokens(tokenizer, config):
     assert tokenizer.eos_token_id == eos and tokenizer.pad_token_id == eos, (tokenizer.eos_token, eos)
 
 
-def convert_gguf(gguf_path, out_dir):
-    """Dequantize a Llama GGUF once into a plain HF folder (fp32 safetensors + tokenizer)."""
+def convert_gguf(gguf_path, out_dir=None):
+    """Dequantize a Llama GGUF once into a plain HF folder (fp32 safetensors + tokenizer); default: in the cache."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    out, gguf_path = Path(out_dir), Path(gguf_path)
+    gguf_path = Path(gguf_path)
+    out = Path(out_dir or default_cache_dir() / gguf_path.stem.split(".")[0].lower())
     if (out / "config.json").exists():
         return out
     print(f"converting {gguf_path} -> {out} (once)")
@@ -427,7 +421,7 @@ def load_target(path, device="cpu", dtype=None):
     """-> (model, tokenizer) from a folder or a .gguf (converted first); a from_pretrained dtype keeps inv_freq fp32."""
     from transformers import AutoModelForCausalLM
     if (path := Path(path)).suffix == ".gguf":
-        path = convert_gguf(path, default_cache_dir() / path.stem.split(".")[0].lower())
+        path = convert_gguf(path)
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False).to(device).eval()
     return model, load_tokenizer(path)
@@ -488,9 +482,7 @@ def regenerate(model, tokenizer, in_path, out_path, batch_size=16, max_new_token
             while any(todo):  # round r regenerates the r-th assistant turn of every record that has one
                 rows, t0 = [(c, t.pop(0)) for c, t in zip(convs, todo) if t], time.perf_counter()
                 answers, n, unfinished, over = _generate(model, tokenizer, [c[:i] for c, i in rows], max_new_tokens,
-                                                         template_kwargs, temperature=temperature)
-                if model.device.type == "cuda":
-                    torch.cuda.synchronize(model.device)
+                                                         template_kwargs, temperature=temperature)  # synced: .tolist()
                 stats.update(seconds=time.perf_counter() - t0, tokens=n, unfinished=unfinished, over_context=over)
                 if over:  # kept (the record stays whole), but said: such an answer is not the model's usual text
                     print(f"regenerate rank {rank}/{world}: WARNING {over} prompt(s) of records {b}-"
@@ -560,8 +552,7 @@ def _regen_worker(rank, world, model_path, in_path, out_path, device, kw):
 
 
 def regenerate_file(model_path, in_path, out_path, device="cpu", procs=None, **kw):
-    """Regenerate in_path into out_path (skipped if it exists; a rerun resumes) in `procs` processes on disjoint shards
-    (default: one per visible GPU with device="cuda", else 1), merged at the end."""
+    """Regenerate in_path into out_path, if absent (a rerun resumes), in `procs` processes on disjoint shards."""
     if Path(out_path).exists():
         print(f"{out_path} exists, skipping regeneration")
     else:
@@ -601,26 +592,24 @@ def prompt_key(messages):
 
 
 def training_prompt_keys(path):
-    """prompt_key of every prompt in a training file: each conversation's prefix up to every user turn (broken
-    records skipped: only the prompts matter)."""
+    """prompt_key of every prompt of a training file (each prefix ending at a user turn); broken records skipped."""
     convs = read_conversations(path, skip_invalid=True, require_assistant=False)[0]
     return {prompt_key(c[:i + 1]) for c in convs for i, m in enumerate(c) if m["role"] == "user"}
 
 
 def unique_prompts(lines, n, exclude=frozenset()):
     """The first n JSONL prompt lines whose prompt_key is new and not in `exclude` -> (kept, repeats, excluded)."""
-    kept, seen, dup, excluded = [], set(), 0, 0
+    kept, dup, excluded = {}, 0, 0  # kept: prompt_key -> line
     for line in lines:
         if len(kept) == n:
             break
         if (key := prompt_key(json.loads(line)["messages"])) in exclude:
             excluded += 1
-        elif key in seen:
+        elif key in kept:
             dup += 1
         else:
-            seen.add(key)
-            kept.append(line)
-    return kept, dup, excluded
+            kept[key] = line
+    return list(kept.values()), dup, excluded
 
 
 def demo_settings(device, world=1):
@@ -633,24 +622,21 @@ def demo_settings(device, world=1):
             # answers of up to 96 tokens (eval decodes 48): regeneration ~2 minutes of a CPU demo under 10 minutes
             corpus=dict(n_train=128, n_eval=32, max_new_tokens=96, batch_size=32, samples=0, sample_temperature=0.8),
             # all but one process hold the target, one trains (launch.sh starts 3: the real recipe's path over gloo).
-            # Block 2, every answer position an anchor: on 2 cores the drafter's LM head over anchors x block rows
-            # is the cost, and this early only offset 1 is ever accepted (block 4: P = .16, .007, 0), so every row
-            # goes to it: held-out tau 1.37 where block 4 gave 1.18 and block 16 1.04 (BENCHMARKS.md)
+            # Block 2, every answer position an anchor: on 2 cores the LM head over anchors x block rows is the cost
+            # and only offset 1 is accepted this early (BENCHMARKS.md: held-out tau 1.37; block 4 1.18, block 16 1.04)
             train=dict(train, drafter_layers=2, max_length=384, batch_size=4, num_anchors=128, block_size=2, lr=2e-3,
-                       warmup_ratio=0.05, epochs=4.0, log_every=10, ckpt_every=100,
-                       target_ranks=max(1, world - 1), drafter_ranks=1),
+                       warmup_ratio=0.05, epochs=4.0, log_every=10, ckpt_every=100, target_ranks=max(1, world - 1),
+                       drafter_ranks=1),
             eval=dict(limit=8, max_new_tokens=48, workers=min(2, os.cpu_count() or 1)))
     return dict(
-        # all 4,395 distinct train prompts, each with its greedy answer and 2 more sampled at T=0.8 (13,185 answers):
-        # greedy answers alone to 3,000 prompts were too little text, a longer run memorized them, held-out tau fell
-        # (BENCHMARKS.md). batch = records per resumable write; 4 processes per GPU: batched generate of a 135M model
-        # is bound by Python and kernel launches, not by the GPU, so processes on one GPU overlap
+        # every distinct train prompt with its greedy answer and 2 sampled ones: greedy answers alone were too little
+        # text, memorized by a longer run (BENCHMARKS.md). batch: records per resumable write; 4 processes per GPU:
+        # a 135M model's batched generate is bound by Python and kernel launches, so processes on one GPU overlap
         corpus=dict(n_train=4395, n_eval=256, max_new_tokens=256, batch_size=512, samples=2, sample_temperature=0.8,
                     procs_per_gpu=4),
-        # a 5-layer drafter, responses of up to 256 tokens, every response position anchored. 4.3 epochs = 3,504
-        # steps of 16 on the 13,050 kept answers: the reference recipe's ~6 minutes on one H200 at our speed, a third
-        # of its epochs on 4.4x the text. D-PACE weights and a rank-128 Markov head: held-out tau 4.47 where decay
-        # with no head gives 3.49 (BENCHMARKS.md). 1 GPU: colocated; N GPUs: 1 target + N-1 drafters
+        # 4.3 epochs = 3,504 steps of 16 on the 13,050 kept answers: the reference recipe's ~6 minutes on one H200 at
+        # our speed. D-PACE weights and a rank-128 Markov head: held-out tau 4.47 where decay with no head gives 3.49
+        # (BENCHMARKS.md). 1 GPU: colocated; N GPUs: 1 target + N-1 drafters
         train=dict(train, drafter_layers=5, max_length=512, batch_size=16, num_anchors=256, lr=6e-4, warmup_ratio=0.04,
                    epochs=4.3, loss_weighting="dpace", markov_rank=128, log_every=50, ckpt_every=1000,
                    target_ranks=1, drafter_ranks=max(1, world - 1)),
@@ -660,8 +646,7 @@ def demo_settings(device, world=1):
 
 def prepare_demo(cache_dir=None, n_train=None, n_eval=None, max_new_tokens=None, device="cpu", batch_size=None,
                  gguf=None, samples=None, sample_temperature=None):
-    """Build (or find) the demo corpus -> {"target", "train", "eval", "mask_token_id"}; sizes left None: demo_settings.
-    samples > 0 adds that many answers per train prompt, sampled at sample_temperature."""
+    """Build or find the demo corpus -> {"target", "train", "eval", "mask_token_id"}; sizes left None: demo_settings."""
     given = dict(locals())  # the arguments, by name
     s = {k: v if given.get(k) is None else given[k] for k, v in demo_settings(device)["corpus"].items()}
     if s["samples"] > 0 and not s["sample_temperature"] > 0:

@@ -208,8 +208,7 @@ def _merge(parts):
     per_prompt = [parts[i % n]["per_prompt"][i // n] for i in range(total)]
     divergences = sorted((d for r in parts for d in r["divergences"]), key=lambda d: d["prompt"])
     K, lengths = parts[0]["config"]["block_size"], [n for r in per_prompt for n in r["lengths"]]  # per verify cycle
-    # accept_hist[L-1]: cycles that accepted L-1 drafts (every cycle counted whole, as the authors count); every
-    # offset of every cycle is verified, and offset j is accepted iff all drafts up to j matched
+    # accept_hist[L-1]: cycles that accepted L-1 drafts; offset j is accepted iff all drafts up to j matched
     c = dict(accept_hist=[lengths.count(L) for L in range(1, K + 1)],
              pos_accept_counts=[sum(n > j for n in lengths) for j in range(1, K)],
              pos_seen_counts=[len(lengths)] * (K - 1))
@@ -256,27 +255,14 @@ def evaluate_parallel(target_path, drafter_path, prompts, workers, device="cpu",
     Speeds: spec_tok_s of one stream under contention, aggregate_spec_tok_s of all. A failing worker fails the call."""
     n, t0 = min(workers, len(prompts)), time.time()
     if str(target_path).endswith(".gguf"):  # convert once, here: N workers converting into one folder would race
-        name = os.path.basename(target_path).split(".")[0].lower()  # the folder load_target would convert into
-        target_path = data.convert_gguf(target_path, data.default_cache_dir() / name)
+        target_path = data.convert_gguf(target_path)
     with tempfile.TemporaryDirectory() as tmp:
         data.spawn_workers(_worker, n, (n, target_path, drafter_path, prompts, device, dtype, kw, tmp),
                            keep=(LosslessError,))
         parts = [json.load(open(os.path.join(tmp, f"{k}.json"))) for k in range(n)]
     res = _merge([p["res"] for p in parts])
     phase = max(p["t"][1] for p in parts) - min(p["t"][0] for p in parts)
-    res.update(wall_s=time.time() - t0, aggregate_spec_tok_s=res["new_tokens"] / phase)  # wall_s: with start-up
-    return res
-
-
-def mark_seen(res, prompts, keys):
-    """Flag prompts that are, as text, training prompts (a split by conversation can repeat them); tau without them."""
-    for r, p in zip(res["per_prompt"], prompts):
-        r["seen_in_training"] = data.prompt_key(p) in keys
-    rest = [r for r in res["per_prompt"] if not r["seen_in_training"]]
-    res["seen_in_training"] = len(res["per_prompt"]) - len(rest)
-    if rest:
-        res.update(tau_figures(rest, "_unseen"))
-    return res
+    return dict(res, wall_s=time.time() - t0, aggregate_spec_tok_s=res["new_tokens"] / phase)  # wall_s: with start-up
 
 
 def summary(res):
@@ -301,11 +287,10 @@ def summary(res):
 
 
 def write_results(res, out_dir):
-    """eval.json + eval.png (histogram of tokens per cycle | per-offset acceptance). -> (json path, png path)."""
+    """out_dir/eval.json + eval.png (histogram of tokens per cycle | per-offset acceptance)."""
     from matplotlib.figure import Figure  # no pyplot: no global backend state, renders headless (Agg)
     os.makedirs(out_dir, exist_ok=True)
-    jpath, ppath = os.path.join(out_dir, "eval.json"), os.path.join(out_dir, "eval.png")
-    with open(jpath, "w") as f:
+    with open(os.path.join(out_dir, "eval.json"), "w") as f:
         json.dump(res, f, indent=1)
     fig = Figure(figsize=(10, 3.8))
     ax1, ax2 = fig.subplots(1, 2)
@@ -316,8 +301,7 @@ def write_results(res, out_dir):
     ax2.plot(range(1, K), res["pos_accept"], marker="o")
     ax2.set(xlabel="block offset", ylabel="P(draft accepted)", ylim=(0, 1.02), title="per-position acceptance")
     fig.tight_layout()
-    fig.savefig(ppath, dpi=120)
-    return jpath, ppath
+    fig.savefig(os.path.join(out_dir, "eval.png"), dpi=120)
 
 
 def _unloadable(ckpt):  # why the drafter files of `ckpt` do not load, or None if they do
@@ -408,10 +392,9 @@ def _args(argv):
     arg("--out", help="default: out/eval; with --watch: RUN/eval; with --demo: RUN")
     arg("--workers", type=int, default=1, help="processes sharing the device, worker k taking prompts k, k+N, ...")
     a = p.parse_args(argv)
-    run = a.watch or a.demo
-    if run and not os.path.exists(os.path.join(run, "config.json")):
-        p.error(f"{run}: no config.json, not a train.py run directory")
-    if run:  # new defaults, explicit flags still winning: the run's target and training data
+    if run := a.watch or a.demo:  # new defaults, explicit flags still winning: the run's target and training data
+        if not os.path.exists(os.path.join(run, "config.json")):
+            p.error(f"{run}: no config.json, not a train.py run directory")
         with open(os.path.join(run, "config.json")) as f:
             cfg = json.load(f)["train"]
         p.set_defaults(target=cfg["target"], train_data=cfg["data"] if os.path.exists(cfg["data"]) else None)
@@ -444,7 +427,14 @@ def main(argv=None):
             drafter = load_drafter(drafter_path, t.device, next(t.parameters()).dtype) if drafter_path else None
             res = evaluate(t, tok, drafter, prompts, **kw | override)
         res["config"].update(target=str(a.target), drafter=drafter_path, data=a.data, train_data=a.train_data)
-        return mark_seen(res, prompts, keys) if keys is not None else res
+        if keys is not None:  # flag prompts that are, as text, training prompts: a split by conversation repeats some
+            for r, p in zip(res["per_prompt"], prompts):
+                r["seen_in_training"] = data.prompt_key(p) in keys
+            rest = [r for r in res["per_prompt"] if not r["seen_in_training"]]
+            res["seen_in_training"] = len(res["per_prompt"]) - len(rest)
+            if rest:  # and tau without them
+                res.update(tau_figures(rest, "_unseen"))
+        return res
     if a.watch:
         return watch(a.watch, a.out or os.path.join(a.watch, "eval"), run, a.poll, a.once)
     if a.demo:  # the demo's verdict: tau untrained (init, no baseline) -> trained (the newest checkpoint)
