@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 import eval as ev
 from attention import build_masks, compile_count, configure_compile, dflash_block_mask, flex_compiled
 from data import demo_settings
-from model import DFlashDrafter, DrafterConfig, HeadCE, dflash_loss, sample_anchors, to_float8
+from model import DFlashDrafter, DrafterConfig, Float8Head, HeadCE, dflash_loss, sample_anchors, to_float8
 from pipeline import Capture, GiB, memory_need
 from train import Config, Optimizer
 
@@ -129,7 +129,7 @@ def bench_drafter(args):
     configure_compile()
     torch.manual_seed(0)
     case = f"drafter {args.preset}" + " eager layers" * args.eager + f" fp8 {args.fp8}" * bool(args.fp8) + (
-        f" Markov head r={args.markov_rank}" * (args.markov_rank > 0))
+        " fp8 LM head" * args.fp8_head + f" Markov head r={args.markov_rank}" * (args.markov_rank > 0))
     cfg, row = DrafterConfig(**PRESETS[args.preset], markov_rank=args.markov_rank), table(case)
     drafter = DFlashDrafter(cfg).to("cuda", torch.bfloat16)
     drafter.compile_layers = not args.eager
@@ -137,6 +137,7 @@ def bench_drafter(args):
         to_float8(drafter, args.fp8)
     V, D, K, W, Q = cfg.vocab_size, cfg.hidden_size, cfg.block_size, cfg.sliding_window, args.anchors * cfg.block_size
     embed, head = (torch.randn(V, D, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in "eh")
+    head = Float8Head(head) if args.fp8_head else head  # as train.py's --fp8_head
     gen = torch.Generator("cuda").manual_seed(0)
 
     def batch(S):  # random ids and target states; a quarter prompt, the rest response
@@ -373,7 +374,9 @@ CASES = ["ceilings", "drafter --preset 27b --seq 4096,2048 --breakdown", "drafte
          "drafter --preset 8b --seq 3072 --breakdown", "target --model 8b", "target --model 27b", "e2e --model 8b",
          "target --model 27b --no-fla", "decode", "plan --seq 4096",
          "plan --seq 2048", "plan --preset smol", "drafter --preset 27b --fp8 rowwise --breakdown",
-         "drafter --preset 27b --fp8 tensorwise", "drafter --preset 8b --seq 3072 --fp8 rowwise"]  # 7: only when asked
+         "drafter --preset 27b --fp8 tensorwise", "drafter --preset 8b --seq 3072 --fp8 rowwise",
+         "drafter --preset 27b --fp8 rowwise --fp8_head --breakdown",
+         "drafter --preset 8b --seq 3072 --fp8 rowwise --fp8_head"]  # 7: only when asked
 
 
 def run_all(args):
@@ -411,7 +414,8 @@ def main(argv=None):
                                 ("--new_tokens", 128, "decode: new tokens"), ("--seq_e2e", 3072, None)):
         ap.add_argument(flag, type=type(default), default=default, help=help)  # a str or an int, as its default
     for flag, help in (("--eager", "drafter: layers uncompiled (the 'before')"), ("--breakdown", "drafter"),
-                       ("--profile", "drafter"), ("--no-fla", "27b: transformers' torch fallback kernels")):
+                       ("--profile", "drafter"), ("--no-fla", "27b: transformers' torch fallback kernels"),
+                       ("--fp8_head", "drafter: the LM head's matmuls in FP8 (model.Float8Head)")):
         ap.add_argument(flag, action="store_true", help=help)
     args = ap.parse_args(argv)
     try:

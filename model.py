@@ -487,6 +487,33 @@ def _ce_chunk(logits_MV, labels_M, w_M, K=0, alpha=0.0):
 _ce_chunk_compiled = torch.compile(_ce_chunk, dynamic=False)  # lazy; shapes are fixed per run (fixed anchors)
 
 
+def _rows_fp8(x):
+    """x in e4m3 with one fp32 scale per row (x ~ x8 * scale), the operand form of torch._scaled_mm's rowwise mode."""
+    scale = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+_rows_fp8_compiled = torch.compile(_rows_fp8, dynamic=False)  # one pass for the row maxima, one to scale and cast
+
+
+class Float8Head:
+    """The frozen LM head [V, D] for HeadCE's two matmuls in FP8 (e4m3, a scale per row of each operand): kept twice,
+    scaled along D for the logits and along V for the input gradient, 2 bytes per weight in all, as in bf16."""
+
+    def __init__(self, head_VD):
+        (self.w_VD, self.s_V1), (self.w_DV, self.s_D1) = _rows_fp8(head_VD), _rows_fp8(head_VD.t().contiguous())
+
+    def _mm(self, x, w, s_w):  # x [M, k] @ w.t(): w [n, k] row-major, so w.t() is column-major as _scaled_mm needs
+        x8, s_x = (_rows_fp8_compiled if x.is_cuda else _rows_fp8)(x)
+        return torch._scaled_mm(x8, w.t(), scale_a=s_x, scale_b=s_w.t(), out_dtype=torch.bfloat16).to(x.dtype)
+
+    def logits(self, x_MD):
+        return self._mm(x_MD, self.w_VD, self.s_V1)
+
+    def input_grad(self, g_MV):
+        return self._mm(g_MV, self.w_DV, self.s_D1)
+
+
 class HeadCE(torch.autograd.Function):
     """Frozen LM head + weighted cross-entropy, chunked over rows, the input gradient computed in the forward: each
     chunk's [rows, V] logits exist once, never recomputed (no third LM-head matmul), never all in fp32. The head gets
@@ -501,13 +528,13 @@ class HeadCE(torch.autograd.Function):
                                                      torch.zeros_like(w2_Vr, dtype=torch.float32))
         for i in range(0, out_MD.shape[0], chunk_rows):
             j = slice(i, i + chunk_rows)
-            logits = out_MD[j] @ head_VD.t()
+            logits = head_VD.logits(out_MD[j]) if isinstance(head_VD, Float8Head) else out_MD[j] @ head_VD.t()
             if w1_Vr is not None:
                 e_Mr = F.embedding(prev_M[j], w1_Vr)
                 logits = logits + e_Mr @ w2_Vr.t()
             l, correct[j], g = ce(logits, labels_M[j], w_M[j], K, alpha)
             loss += l
-            grad[j] = g @ head_VD
+            grad[j] = head_VD.input_grad(g) if isinstance(head_VD, Float8Head) else g @ head_VD
             if w1_Vr is not None:
                 g2 += (g.t() @ e_Mr).float()
                 g1.index_add_(0, prev_M[j], (g @ w2_Vr).float())

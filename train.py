@@ -30,8 +30,8 @@ import torch.distributed as dist
 from attention import compile_count, configure_compile
 from checkpoint import (list_ckpts, lock_run_dir, log_line, log_skipped, open_run_dir, plot_curves,
                         resume_point, save_checkpoint, warn_config_changes, write_done, write_run_info)
-from model import (DFlashDrafter, DrafterConfig, dflash_loss, drafter_config_from_target, load_drafter, sample_anchors,
-                   to_float8)
+from model import (DFlashDrafter, DrafterConfig, Float8Head, dflash_loss, drafter_config_from_target, load_drafter,
+                   sample_anchors, to_float8)
 from pipeline import (USABLE, Capture, Colocated, Receiver, assign_roles, drafter_schedule, fill_target,
                       frozen_tables, largest_anchors, memory_check, on_gpu, per_step, placement_table, reduce_stats,
                       report_failure, role_of, run_target, setup_dist, target_decoder, teardown_dist, torchrun_env,
@@ -80,6 +80,7 @@ class Config:
     device: str = "auto"  # auto | cuda | cpu
     compile: bool = True  # CUDA: compile each drafter layer (flex inside); False = eager layers, flex compiled
     fp8: str = ""  # "" = bf16 matmuls | tensorwise | rowwise: FP8 drafter linears (model.to_float8, torchao)
+    fp8_head: bool = False  # the frozen LM head's two matmuls (logits, input gradient) in FP8 (model.Float8Head)
     prefetch: int = 2  # micro-batches a target rank may have in flight to its drafters
     transport_timeout: int = 900  # seconds before a blocked collective or transfer fails the job
     # logging
@@ -195,6 +196,7 @@ def train(cfg, d, target_config, tokenizer):
     if cfg.fp8:  # before the optimizer and the compile; emulated on CPU (the same path, no speedup)
         to_float8(drafter, cfg.fp8, emulate=d.device.type != "cuda")
     embed, head = frozen_tables(cfg.target, dtype, d.device)
+    head = Float8Head(head) if cfg.fp8_head else head
     optim = Optimizer(cfg, drafter, d)
     if state:
         optim.load(state)
@@ -401,8 +403,8 @@ RULES = SHAPE + [
     ("target_shard", lambda c, t: c.target_shard in ("fsdp", "replicate"), "must be fsdp or replicate"),
     ("fp8", lambda c, t: c.fp8 in ("", "tensorwise", "rowwise"), "must be '', tensorwise or rowwise"),
     ("fp8", lambda c, t: not c.fp8 or importlib.util.find_spec("torchao"), "needs torchao (requirements.txt)"),
-    ("fp8", lambda c, t: not (c.fp8 and on_gpu(c.device)) or torch.cuda.get_device_capability() >= (8, 9),
-     "needs FP8 tensor cores (compute capability 8.9 or newer)"),
+    ("fp8", lambda c, t: not ((c.fp8 or c.fp8_head) and on_gpu(c.device)) or torch.cuda.get_device_capability() >= (
+        8, 9), "fp8 and fp8_head need FP8 tensor cores (compute capability 8.9 or newer)"),
     ("device", lambda c, t: c.device in ("auto", "cpu") or (c.device == "cuda" and torch.cuda.is_available()),
      "must be auto, cpu or cuda (cuda only where CUDA is available)"),
     # the run directory is the only place a run writes: run_name is one plain name inside out_dir, never a path

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from attention import build_masks
-from model import (DFlashDrafter, DrafterConfig, block_labels, build_target_layer_ids, dflash_loss, dpace_weights,
-                   drafter_config_from_target, load_drafter, rope_inv_freq, sample_anchors, save_drafter, to_float8)
+from model import (DFlashDrafter, DrafterConfig, Float8Head, block_labels, build_target_layer_ids, dflash_loss,
+                   dpace_weights, drafter_config_from_target, load_drafter, rope_inv_freq, sample_anchors, save_drafter,
+                   to_float8)
 
 V, D = 96, 64
 
@@ -197,6 +198,29 @@ def test_fp8_drafter_linears(recipe, tmp_path):
     loaded = load_drafter(tmp_path)
     assert not any(isinstance(m, Float8Linear) for m in loaded.modules())
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), ref.state_dict().values()))
+
+
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+def test_fp8_lm_head(weighting):
+    """Float8Head: HeadCE's two LM-head matmuls in e4m3 (torch._scaled_mm, real FP8 rounding on CPU too) move the
+    loss and the gradients by rounding only, with a Markov head beside it; the head's FP8 copies are per-row scaled
+    both ways, so dequantized they are the head within e4m3's 2^-4 relative step."""
+    drafter, embed, head, ids, lm, hidden, anchors, keep = _loss_setup(5)
+    torch.manual_seed(5)
+    drafter = DFlashDrafter(dataclasses.replace(drafter.cfg, markov_rank=16))
+    h8 = Float8Head(head)
+    for w, s, h in ((h8.w_VD, h8.s_V1, head), (h8.w_DV, h8.s_D1, head.t())):
+        assert w.dtype == torch.float8_e4m3fn and torch.allclose(w.float() * s, h, rtol=2 ** -4, atol=0)
+    results = []
+    for h in (head, h8):
+        drafter.zero_grad()
+        r = dflash_loss(drafter, embed, h, ids, lm, hidden, anchors, keep, weighting=weighting)
+        r["loss_sum"].backward()
+        results.append((r["loss_sum"].item(), [p.grad.clone() for p in drafter.parameters()]))
+    (l, g), (l8, g8) = results
+    assert 0 < abs(l8 / l - 1) < 0.05  # logits of ~10 rounded at up to 2^-5 of each product's operands
+    for (n, _), a, b in zip(drafter.named_parameters(), g, g8):
+        assert F.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.98, n
 
 
 def test_sample_anchors():

@@ -154,11 +154,12 @@ def test_markov_head_trains_through_train_py(tiny_target, convs, tmp_path):
 
 
 def test_fp8_trains_through_train_py(tiny_target, convs, tmp_path):
-    """--fp8=rowwise (emulated on CPU): the run ends, its losses stay within FP8 rounding of the run without it (same
-    seed and data) while differing from them, and its checkpoint is a plain released-format drafter."""
+    """--fp8=rowwise (emulated on CPU) with --fp8_head (real e4m3 matmuls): the run ends, its losses stay within FP8
+    rounding of the run without them (same seed and data) while differing from them, and its checkpoint is a plain
+    released-format drafter."""
     from model import load_drafter
     runs = {}
-    for name, extra in (("fp8", ["--fp8=rowwise"]), ("ref", [])):
+    for name, extra in (("fp8", ["--fp8=rowwise", "--fp8_head=true"]), ("ref", [])):
         p, _ = run_train(tiny_target, convs, tmp_path / name, 1, "--max_steps=3", *extra)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         runs[name] = [r["loss"] for r in metrics(tmp_path / name)]
