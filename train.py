@@ -403,6 +403,8 @@ RULES = SHAPE + [
     ("target_shard", lambda c, t: c.target_shard in ("fsdp", "replicate"), "must be fsdp or replicate"),
     ("fp8", lambda c, t: c.fp8 in ("", "tensorwise", "rowwise"), "must be '', tensorwise or rowwise"),
     ("fp8", lambda c, t: not c.fp8 or importlib.util.find_spec("torchao"), "needs torchao (requirements.txt)"),
+    ("fp8_head", lambda c, t: not c.fp8_head or t.vocab_size % 16 == t.hidden_size % 16 == 0,
+     "needs the target's vocab_size ({t.vocab_size}) and hidden_size ({t.hidden_size}) to be multiples of 16"),
     ("fp8", lambda c, t: not ((c.fp8 or c.fp8_head) and on_gpu(c.device)) or torch.cuda.get_device_capability() >= (
         8, 9), "fp8 and fp8_head need FP8 tensor cores (compute capability 8.9 or newer)"),
     ("device", lambda c, t: c.device in ("auto", "cpu") or (c.device == "cuda" and torch.cuda.is_available()),

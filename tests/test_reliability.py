@@ -8,6 +8,7 @@ and the loading/writing safety rules. Real torchrun jobs on CPU (gloo) with the 
     python -m pytest -q tests/test_reliability.py
 """
 
+import copy
 import json
 import os
 import random
@@ -365,6 +366,16 @@ def test_invalid_config_names_the_field(valid, target_meta, case, override, fiel
         train.validate(train.Config(**{**valid, **override}), 3, *target_meta)
     lines = str(e.value).splitlines()[1:]
     assert len(lines) == 1 and field in lines[0], lines
+
+
+def test_fp8_head_needs_fp8_sized_head(valid, target_meta):
+    """The FP8 matmuls take sizes in multiples of 16: a target vocabulary of 49,150 is refused before any work."""
+    tc, tok = target_meta
+    odd = copy.deepcopy(tc)
+    odd.vocab_size = 49150
+    train.validate(train.Config(**valid, fp8_head=True), 3, tc, tok)
+    with pytest.raises(ValueError, match=r"fp8_head=True needs the target's vocab_size \(49150\)"):
+        train.validate(train.Config(**valid, fp8_head=True), 3, odd, tok)
 
 
 def test_fresh_run_over_old_checkpoints_is_refused(valid, target_meta):
