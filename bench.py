@@ -376,7 +376,8 @@ CASES = ["ceilings", "drafter --preset 27b --seq 4096,2048 --breakdown", "drafte
          "plan --seq 2048", "plan --preset smol", "drafter --preset 27b --fp8 rowwise --breakdown",
          "drafter --preset 27b --fp8 tensorwise", "drafter --preset 8b --seq 3072 --fp8 rowwise",
          "drafter --preset 27b --fp8 rowwise --fp8_head --breakdown",
-         "drafter --preset 8b --seq 3072 --fp8 rowwise --fp8_head"]  # 7: only when asked
+         "drafter --preset 8b --seq 3072 --fp8 rowwise --fp8_head",
+         "drafter --preset 27b --fp8_head --breakdown"]  # 7: only when asked
 
 
 def run_all(args):
