@@ -106,29 +106,41 @@ def _block_mask(anchors_BN, keep_BN, S_t, K, window, QT, KVT, Q, KV, mask_mod):
     return BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(Q, KV))
 
 
-# On CUDA one compiled graph: eager, ~60 small kernel launches the GPU waits for at the start of every step
-# (BENCHMARKS.md). Dynamic shapes: one graph per window value, whatever the length (a single KV tile, S + N*K <= 128,
-# is specialized: one more). The mask_mod closure is made outside and passed in, as with a compiled create_block_mask.
-_block_mask_compiled = torch.compile(_block_mask, dynamic=True)
+def _block_masks(anchors_BN, keep_BN, S_t, K, windows, QT, KVT, Q, KV, mask_mods):
+    return [_block_mask(anchors_BN, keep_BN, S_t, K, w, QT, KVT, Q, KV, m) for w, m in zip(windows, mask_mods)]
+
+
+# On CUDA one compiled graph for all the layer types' masks of a step: eager, ~60 small kernel launches per type the GPU
+# waits for at the start of every step (BENCHMARKS.md). Dynamic shapes: one graph per tuple of window values, whatever
+# the length (a single KV tile, S + N*K <= 128, is specialized: one more). The mask_mod closures are made outside and
+# passed in, as with a compiled create_block_mask.
+_block_masks_compiled = torch.compile(_block_masks, dynamic=True)
+
+
+def dflash_block_masks(anchors_BN, keep_BN, S, K, windows, compiled=None):
+    """Exact BlockMasks for the DFlash rule, one per window in `windows` (None: full attention), built from row
+    intervals in O(B * Q) + O(B * QT * KVT): no dense Q x KV mask, no create_block_mask. Anchors need not be sorted
+    for correctness; sorting them (sample_anchors does) keeps each Q tile's visible context a short prefix, which is
+    where the speed is. compiled: default on CUDA tensors; True works on CPU too (tests compare both)."""
+    Q, S_t = anchors_BN.shape[1] * K, torch.as_tensor(S, device=anchors_BN.device)
+    build = _block_masks_compiled if (anchors_BN.is_cuda if compiled is None else compiled) else _block_masks
+    return build(anchors_BN, keep_BN, S_t, K, tuple(windows), -(-Q // TILE), -(-(S + Q) // TILE), Q, S + Q,
+                 [dflash_mask_mod(anchors_BN, keep_BN, S_t, K, w) for w in windows])
 
 
 def dflash_block_mask(anchors_BN, keep_BN, S, K, window=None, compiled=None):
-    """Exact BlockMask for the DFlash rule, built from row intervals in O(B * Q) + O(B * QT * KVT): no dense
-    Q x KV mask, no create_block_mask. Anchors need not be sorted for correctness; sorting them (sample_anchors
-    does) keeps each Q tile's visible context a short prefix, which is where the speed is.
-    compiled: default on CUDA tensors; True works on CPU too (tests compare both)."""
-    Q, S_t = anchors_BN.shape[1] * K, torch.as_tensor(S, device=anchors_BN.device)
-    build = _block_mask_compiled if (anchors_BN.is_cuda if compiled is None else compiled) else _block_mask
-    return build(anchors_BN, keep_BN, S_t, K, window, -(-Q // TILE), -(-(S + Q) // TILE), Q, S + Q,
-                 dflash_mask_mod(anchors_BN, keep_BN, S_t, K, window))
+    return dflash_block_masks(anchors_BN, keep_BN, S, K, [window], compiled)[0]
 
 
 def build_masks(anchors_BN, keep_BN, S, K, layer_types, window, backend):
     """{layer type: its mask} for each distinct type: a BlockMask ("flex") or a dense bool [B,1,Q,KV] ("sdpa")."""
-    make = dflash_block_mask if backend == "flex" else dense_mask
     if backend not in ("flex", "sdpa"):
         raise ValueError(f"attention backend must be 'flex' or 'sdpa', got {backend!r}")
-    return {t: make(anchors_BN, keep_BN, S, K, window if t == "sliding_attention" else None) for t in set(layer_types)}
+    types = sorted(set(layer_types))
+    windows = [window if t == "sliding_attention" else None for t in types]
+    masks = (dflash_block_masks(anchors_BN, keep_BN, S, K, windows) if backend == "flex" else
+             [dense_mask(anchors_BN, keep_BN, S, K, w) for w in windows])
+    return dict(zip(types, masks))
 
 
 # ----------------------------------------------------------------------------- executors

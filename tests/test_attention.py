@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from attention import (TILE, attend, build_masks, compile_count, configure_compile, dense_mask, dflash_block_mask)
+from attention import (TILE, attend, build_masks, compile_count, configure_compile, dense_mask, dflash_block_mask,
+                       dflash_block_masks)
 from model import sample_anchors
 
 
@@ -120,6 +121,13 @@ def test_build_masks_per_layer_type():
     m = build_masks(anchors, keep, 50, 4, ["sliding_attention", "full_attention", "sliding_attention"], 8, "sdpa")
     assert set(m) == {"sliding_attention", "full_attention"}
     assert torch.equal(m["sliding_attention"], reference_mask(anchors, keep, 50, 4, 8))
+    assert torch.equal(m["full_attention"], reference_mask(anchors, keep, 50, 4, None))
+    anchors, keep = random_case(1, 1000, 24, 16, seed=4)  # long enough that the two types' tiles differ
+    flex = build_masks(anchors, keep, 1000, 16, ["full_attention", "sliding_attention"], 200, "flex")
+    dense = {w: tiles(reference_mask(anchors, keep, 1000, 16, w), "any").int() for w in (200, None)}
+    assert not torch.equal(dense[200], dense[None])
+    for t, w in (("sliding_attention", 200), ("full_attention", None)):  # each type its own window, in any order
+        assert torch.equal(flex[t].to_dense(), dense[w]), t
     with pytest.raises(ValueError, match="backend"):
         build_masks(anchors, keep, 50, 4, ["full_attention"], None, "dense")
 
@@ -151,18 +159,20 @@ def test_compiled_flex_no_recompile_after_warmup_cpu():
 
 def test_compiled_block_mask_equals_eager_no_recompiles():
     """The compiled BlockMask construction (CUDA's default; also runs on CPU) gives the same tables, forward and
-    transposed, as the eager one, for both layer types and new lengths; after two lengths nothing recompiles."""
+    transposed, as the eager one, for both layer types, one at a time or both in one call (as build_masks does on
+    CUDA), and new lengths; after two lengths nothing recompiles."""
     configure_compile()
     names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
              "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
     warm = None
     for i, S in enumerate((300, 430, 700, 513, 1000)):
         anchors, keep = random_case(B=2, S=S, N=24, K=16, seed=S)
-        for window in (None, 200):
+        both = dflash_block_masks(anchors, keep, S, 16, (None, 200), compiled=True)
+        for window, m in zip((None, 200), both):
             a, b = (dflash_block_mask(anchors, keep, S, 16, window, compiled=c) for c in (False, True))
-            assert tuple(b.seq_lengths) == a.seq_lengths == (24 * 16, S + 24 * 16)
+            assert tuple(b.seq_lengths) == tuple(m.seq_lengths) == a.seq_lengths == (24 * 16, S + 24 * 16)
             for n in names:
-                assert torch.equal(getattr(a, n), getattr(b, n)), (S, window, n)
+                assert torch.equal(getattr(a, n), getattr(b, n)) and torch.equal(getattr(a, n), getattr(m, n)), (S, n)
             assert torch.equal(b.to_dense(), tiles(reference_mask(anchors, keep, S, 16, window), "any").int())
         if i == 1:
             warm = compile_count()
