@@ -61,8 +61,8 @@ def table(case):
     return row
 
 
-def cuda_time(fn, iters, warmup=2):
-    """Median milliseconds of fn() over iters calls, each synchronized, after `warmup` untimed ones."""
+def cuda_times(fn, iters, warmup=2):
+    """Milliseconds of each of iters calls of fn(), each synchronized, after `warmup` untimed ones."""
     times = []
     for _ in range(warmup + iters):
         torch.cuda.synchronize()
@@ -70,7 +70,12 @@ def cuda_time(fn, iters, warmup=2):
         fn()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times[warmup:])
+    return times[warmup:]
+
+
+def cuda_time(fn, iters, warmup=2):
+    """Median milliseconds of fn() over iters calls."""
+    return statistics.median(cuda_times(fn, iters, warmup))
 
 
 def matmul_ceiling(n=8192):
@@ -173,11 +178,13 @@ def bench_drafter(args):
     if args.breakdown:  # each part alone at the step's shapes; the layers' matmuls and elementwise are the rest
         ms_step = cuda_time(lambda: step(ids, lm, hidden), args.iters)
         types = {t: cfg.layer_types.count(t) for t in set(cfg.layer_types)}
-        ms_mask = cuda_time(lambda: build_masks(anchors, keep, S, K, list(types), W, "flex"), 20)
+        ms_masks = sorted(cuda_times(lambda: build_masks(anchors, keep, S, K, list(types), W, "flex"), 50))
+        ms_mask = statistics.median(ms_masks)
         ms_eager = cuda_time(lambda: [dflash_block_mask(anchors, keep, S, K, W if t != "full_attention" else None,
                                                         compiled=False) for t in types], 20)
         row("BlockMask build, both layer types: eager construction -> compiled (used)",
-            f"{ms_eager:.2f} -> {ms_mask:.2f} ms")
+            f"{ms_eager:.2f} -> {ms_mask:.2f} ms", f"min / median / max of 50: {ms_masks[0]:.2f} / {ms_mask:.2f} / "
+            f"{ms_masks[-1]:.2f} ms")
         masks = build_masks(anchors, keep, S, K, list(types), W, "flex")
         grad = dict(device="cuda", dtype=torch.bfloat16, requires_grad=True)
         q = torch.randn(1, cfg.num_attention_heads, Q, cfg.head_dim, **grad)

@@ -470,10 +470,15 @@ def dpace_weights(ce_M, valid_M, K, alpha):
     return run.flip(-1).cumsum(-1).flip(-1).reshape(-1) * valid_M
 
 
-def _ce_chunk(logits_MV, labels_M, w_M, K=0, alpha=0.0):
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+def _ce_chunk(logits_MV, labels_M, w_M, K=0, alpha=0.0, fp8=False):
     """Weighted CE of one chunk and its gradient w.r.t. the logits, in fp32, returned in the logits' dtype:
     d(sum_m w_m CE_m)/dlogits = w * (softmax - onehot). K > 0: w_M is the 0/1 mask and the weights are D-PACE's,
-    from this chunk's whole blocks of K rows. Compiled on CUDA into a few fused passes over [M, V]."""
+    from this chunk's whole blocks of K rows. fp8: the gradient as e4m3 with a scale per row instead. No entry of a
+    row exceeds its label's own, w * (1 - p_label) (the other probabilities sum to 1 - p_label), so the scale comes
+    from the CE, with no pass for the row maxima. Compiled on CUDA into a few fused passes over [M, V]."""
     x = logits_MV.float()
     lse = torch.logsumexp(x, dim=-1)
     ce = lse - x.gather(1, labels_M[:, None]).squeeze(1)
@@ -481,7 +486,10 @@ def _ce_chunk(logits_MV, labels_M, w_M, K=0, alpha=0.0):
         w_M = dpace_weights(ce.detach(), w_M, K, alpha)
     grad = torch.exp(x - lse[:, None]) * w_M[:, None]
     grad = grad.scatter_add(1, labels_M[:, None], -w_M[:, None])
-    return (ce * w_M).sum(), x.argmax(-1) == labels_M, grad.to(logits_MV.dtype)
+    if fp8:
+        scale = (w_M.abs() * -torch.expm1(-ce.clamp(min=0))).clamp(min=1e-12)[:, None] / E4M3_MAX
+        grad = ((grad / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale)
+    return (ce * w_M).sum(), x.argmax(-1) == labels_M, grad if fp8 else grad.to(logits_MV.dtype)
 
 
 _ce_chunk_compiled = torch.compile(_ce_chunk, dynamic=False)  # lazy; shapes are fixed per run (fixed anchors)
@@ -489,7 +497,7 @@ _ce_chunk_compiled = torch.compile(_ce_chunk, dynamic=False)  # lazy; shapes are
 
 def _rows_fp8(x):
     """x in e4m3 with one fp32 scale per row (x ~ x8 * scale), the operand form of torch._scaled_mm's rowwise mode."""
-    scale = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    scale = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / E4M3_MAX
     return (x.float() / scale).to(torch.float8_e4m3fn), scale
 
 
@@ -503,15 +511,14 @@ class Float8Head:
     def __init__(self, head_VD):
         (self.w_VD, self.s_V1), (self.w_DV, self.s_D1) = _rows_fp8(head_VD), _rows_fp8(head_VD.t().contiguous())
 
-    def _mm(self, x, w, s_w):  # x [M, k] @ w.t(): w [n, k] row-major, so w.t() is column-major as _scaled_mm needs
-        x8, s_x = (_rows_fp8_compiled if x.is_cuda else _rows_fp8)(x)
-        return torch._scaled_mm(x8, w.t(), scale_a=s_x, scale_b=s_w.t(), out_dtype=torch.bfloat16).to(x.dtype)
+    def _mm(self, x8_s, w, s_w, dtype):  # x8 [M, k] @ w.t(): w [n, k] row-major, so w.t() is column-major
+        return torch._scaled_mm(x8_s[0], w.t(), scale_a=x8_s[1], scale_b=s_w.t(), out_dtype=torch.bfloat16).to(dtype)
 
     def logits(self, x_MD):
-        return self._mm(x_MD, self.w_VD, self.s_V1)
+        return self._mm((_rows_fp8_compiled if x_MD.is_cuda else _rows_fp8)(x_MD), self.w_VD, self.s_V1, x_MD.dtype)
 
-    def input_grad(self, g_MV):
-        return self._mm(g_MV, self.w_DV, self.s_D1)
+    def input_grad(self, g8_s, dtype):  # g8_s: the gradient already in e4m3 with its row scales (_ce_chunk fp8)
+        return self._mm(g8_s, self.w_DV, self.s_D1, dtype)
 
 
 class HeadCE(torch.autograd.Function):
@@ -526,16 +533,18 @@ class HeadCE(torch.autograd.Function):
         correct = torch.empty(out_MD.shape[0], dtype=torch.bool, device=out_MD.device)
         g1, g2 = (None, None) if w1_Vr is None else (torch.zeros_like(w1_Vr, dtype=torch.float32),
                                                      torch.zeros_like(w2_Vr, dtype=torch.float32))
+        fp8 = isinstance(head_VD, Float8Head)
         for i in range(0, out_MD.shape[0], chunk_rows):
             j = slice(i, i + chunk_rows)
-            logits = head_VD.logits(out_MD[j]) if isinstance(head_VD, Float8Head) else out_MD[j] @ head_VD.t()
+            logits = head_VD.logits(out_MD[j]) if fp8 else out_MD[j] @ head_VD.t()
             if w1_Vr is not None:
                 e_Mr = F.embedding(prev_M[j], w1_Vr)
                 logits = logits + e_Mr @ w2_Vr.t()
-            l, correct[j], g = ce(logits, labels_M[j], w_M[j], K, alpha)
+            l, correct[j], g = ce(logits, labels_M[j], w_M[j], K, alpha, fp8)
             loss += l
-            grad[j] = head_VD.input_grad(g) if isinstance(head_VD, Float8Head) else g @ head_VD
-            if w1_Vr is not None:
+            grad[j] = head_VD.input_grad(g, grad.dtype) if fp8 else g @ head_VD
+            if w1_Vr is not None:  # the Markov factors' gradients from the dequantized rows under fp8
+                g = (g[0].to(logits.dtype) * g[1].to(logits.dtype)) if fp8 else g
                 g2 += (g.t() @ e_Mr).float()
                 g1.index_add_(0, prev_M[j], (g @ w2_Vr).float())
         ctx.save_for_backward(grad, *(() if g1 is None else (g1.to(w1_Vr.dtype), g2.to(w2_Vr.dtype))))

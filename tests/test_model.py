@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import model
 from attention import build_masks
 from model import (DFlashDrafter, DrafterConfig, Float8Head, block_labels, build_target_layer_ids, dflash_loss,
                    dpace_weights, drafter_config_from_target, load_drafter, rope_inv_freq, sample_anchors, save_drafter,
@@ -221,6 +222,27 @@ def test_fp8_lm_head(weighting):
     assert 0 < abs(l8 / l - 1) < 0.05  # logits of ~10 rounded at up to 2^-5 of each product's operands
     for (n, _), a, b in zip(drafter.named_parameters(), g, g8):
         assert F.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.98, n
+
+
+@pytest.mark.parametrize("K", [0, 4])
+def test_ce_chunk_fp8_gradient_scale_is_the_row_maximum(K):
+    """_ce_chunk's FP8 gradient takes each row's scale from the CE (w * (1 - p_label)), not from a pass over the row:
+    that is exactly the row's largest entry, so every row uses e4m3's whole range and dequantizes to the exact
+    gradient within e4m3's relative step; a row of weight 0 stays 0."""
+    torch.manual_seed(3)
+    logits, labels = torch.randn(16, 40) * 4, torch.randint(0, 40, (16,))
+    labels[:4] = logits[:4].argmax(-1)  # rows whose label is the likeliest token too
+    w = torch.rand(16) if K == 0 else (torch.rand(16) > 0.2).float()
+    w[5] = 0
+    loss, correct, g = model._ce_chunk(logits, labels, w, K, 0.5)
+    loss8, correct8, (g8, scale) = model._ce_chunk(logits, labels, w, K, 0.5, fp8=True)
+    assert g8.dtype == torch.float8_e4m3fn and scale.shape == (16, 1)
+    assert loss8 == loss and torch.equal(correct8, correct)
+    live = g.abs().amax(-1) > 0
+    assert torch.allclose(scale[live, 0] * model.E4M3_MAX, g.abs().amax(-1)[live], rtol=1e-5)
+    assert torch.equal(g8[live].float().abs().amax(-1), torch.full((int(live.sum()),), model.E4M3_MAX))
+    assert torch.all((g8.float() * scale - g).abs() <= 2 ** -4 * g.abs() + 2 ** -9 * scale)  # e4m3 subnormals: 2^-9
+    assert not g8[~live].float().any() and not live[5]
 
 
 def test_sample_anchors():
