@@ -380,11 +380,10 @@ def bench_plan(args):
 CASES = ["ceilings", "drafter --preset 27b --seq 4096,2048 --breakdown", "drafter --preset 27b --eager",
          "drafter --preset 8b --seq 3072 --breakdown", "target --model 8b", "target --model 27b", "e2e --model 8b",
          "target --model 27b --no-fla", "decode", "plan --seq 4096",
-         "plan --seq 2048", "plan --preset smol", "drafter --preset 27b --fp8 rowwise --breakdown",
-         "drafter --preset 27b --fp8 tensorwise", "drafter --preset 8b --seq 3072 --fp8 rowwise",
-         "drafter --preset 27b --fp8 rowwise --fp8_head --breakdown",
-         "drafter --preset 8b --seq 3072 --fp8 rowwise --fp8_head",
-         "drafter --preset 27b --fp8_head --breakdown"]  # 7: only when asked
+         "plan --seq 2048", "plan --preset smol", "drafter --preset 27b --fp8 tensorwise --fp8_head --breakdown",
+         "drafter --preset 8b --seq 3072 --fp8 tensorwise --fp8_head --breakdown",
+         "drafter --preset 27b --fp8 rowwise --fp8_head --breakdown", "drafter --preset 27b --fp8_head --breakdown",
+         "drafter --preset 27b --fp8 tensorwise"]  # 7: only when asked
 
 
 def run_all(args):
