@@ -4,6 +4,7 @@ its own process, then one table; `python bench.py drafter --preset 27b --breakdo
 """
 
 import argparse
+import collections
 import inspect
 import json
 import os
@@ -19,7 +20,8 @@ from torch.profiler import ProfilerActivity, profile
 import eval as ev
 from attention import build_masks, compile_count, configure_compile, dflash_block_mask, flex_compiled
 from data import demo_settings
-from model import DFlashDrafter, DrafterConfig, Float8Head, HeadCE, dflash_loss, sample_anchors, to_float8
+from model import (DFlashDrafter, DrafterConfig, Float8Frozen, Float8Head, HeadCE, dflash_loss, sample_anchors,
+                   target_to_float8, to_float8)
 from pipeline import Capture, GiB, memory_need
 from train import Config, Optimizer
 
@@ -232,6 +234,45 @@ def truncate(decoder, keep):
     return decoder
 
 
+def layer_split(decoder, fn, iters):
+    """-> {part: ms per fn() call} inside each kind of decoder-layer part (linear_attn: Gated-DeltaNet, self_attn,
+    mlp, norms) and inside that part's linears ("<part> linears"), from CUDA events around every call."""
+    spans, handles = collections.defaultdict(list), []
+
+    def time_it(module, part):
+        def pre(*_):
+            spans[part].append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            spans[part][-1][0].record()
+        handles.extend([module.register_forward_pre_hook(pre),
+                        module.register_forward_hook(lambda *_: spans[part][-1][1].record())])
+    for layer in decoder.layers:
+        for name, child in layer.named_children():
+            part = "norms" if "norm" in name else name
+            time_it(child, part)
+            for m in child.modules():
+                if isinstance(m, (torch.nn.Linear, Float8Frozen)) and part != "norms":
+                    time_it(m, f"{part} linears")
+    fn()  # warm-up, untimed
+    torch.cuda.synchronize()
+    spans.clear()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    for h in handles:
+        h.remove()
+    return {part: sum(a.elapsed_time(b) for a, b in pairs) / iters for part, pairs in spans.items()}
+
+
+def target_rows(row, label, dec, cap, B, S, iters):
+    """Where the capture path's time goes (layer_split), each part and what is left of it outside its linears."""
+    x = torch.randint(0, dec.config.vocab_size, (B, S), device="cuda")
+    total, split = cuda_time(lambda: cap(x), iters), layer_split(dec, lambda: cap(x), iters)
+    for part, ms in sorted(split.items(), key=lambda kv: -kv[1]):
+        lin = split.get(f"{part} linears") if not part.endswith("linears") else None
+        note = f"{ms / total:.0%} of {total:.0f} ms" + (f"; outside its linears {ms - lin:.1f} ms" if lin else "")
+        row(f"{label} B={B} S={S}: time in {part}", f"{ms:.1f} ms", note)
+
+
 def bench_target(args):
     if args.no_fla:  # hide flash-linear-attention from transformers' availability check (find_spec -> None)
         sys.modules["fla"] = None
@@ -260,7 +301,28 @@ def bench_target(args):
         ms, tps = rate(cap, B, S)
         row(f"B={B} S={S}: capture path (train.py), {keep} layers + hooks", f"{tps:.0f} tok/s",
             f"{tps / bare[B, S]:.0%} of bare; {mfu(flops(keep, B, S), ms, ceiling)}")
+    if args.breakdown:
+        target_rows(row, "bf16", dec, cap, *shapes[0], args.iters)
+    if args.profile:  # the kernels: Gated-DeltaNet's (fla or torch), the short convolution's, GEMMs, attention
+        x = torch.randint(0, dec.config.vocab_size, shapes[0], device="cuda")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            cap(x)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70))
     row("peak memory", f"{torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB")
+    if args.target_fp8:  # train.py --target_fp8: the kept layers' linears in e4m3, captured states against bf16's
+        x = torch.randint(0, dec.config.vocab_size, shapes[0], device="cuda")
+        ref, n = cap(x).float(), target_to_float8(dec)
+        err = [((a.float() - b).norm() / b.norm()).item() for a, b in zip(cap(x).chunk(len(ids), -1),
+                                                                           ref.chunk(len(ids), -1))]
+        row(f"FP8 target ({n} linears): captured states against bf16, relative error per captured layer",
+            " / ".join(f"{e:.3f}" for e in err), f"layers {ids}")
+        for B, S in shapes:
+            ms, tps = rate(cap, B, S)
+            row(f"B={B} S={S}: capture path with the FP8 target", f"{tps:.0f} tok/s", f"{tps / bare[B, S]:.0%} of bare")
+        if args.breakdown:
+            target_rows(row, "fp8", dec, cap, *shapes[0], args.iters)
+        row("peak memory with the FP8 target", f"{torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB")
+        return  # train.py refuses FSDP2 with an FP8 target
     if args.model == "8b":  # FSDP2 on a one-GPU mesh: the wrapper's cost (its all-gather of one rank is a copy)
         import torch.distributed as dist
         from torch.distributed.fsdp import fully_shard
@@ -279,8 +341,13 @@ def bench_e2e(args):
     embed, head = model.get_decoder().embed_tokens.weight, model.lm_head.weight
     cap = Capture(truncate(model.get_decoder(), max(layer_ids) + 1), layer_ids)
     drafter = DFlashDrafter(DrafterConfig(**PRESETS[args.model])).to("cuda", torch.bfloat16)
+    if args.fp8:  # as train.py's --fp8, --fp8_head, --target_fp8
+        to_float8(drafter, args.fp8)
+    head = Float8Head(head) if args.fp8_head else head
+    kernels += f", {target_to_float8(cap.base)} target linears in FP8" if args.target_fp8 else ""
     optim = Optimizer(Config(num_anchors=args.anchors), drafter, ONE_DRAFTER)
-    S, row, split = args.seq_e2e, table(f"e2e colocated {args.model}"), []  # split: ms of target, drafter per step
+    case = f"e2e colocated {args.model}" + f" fp8 {args.fp8}" * bool(args.fp8) + " fp8 LM head" * args.fp8_head
+    S, row, split = args.seq_e2e, table(case + " fp8 target" * args.target_fp8), []  # split: ms of target, drafter
 
     def step(i):
         ids = torch.randint(0, drafter.cfg.vocab_size, (1, S - 128 * (i % 2)), device="cuda")  # two lengths
@@ -383,7 +450,9 @@ CASES = ["ceilings", "drafter --preset 27b --seq 4096,2048 --breakdown", "drafte
          "plan --seq 2048", "plan --preset smol", "drafter --preset 27b --fp8 tensorwise --fp8_head --breakdown",
          "drafter --preset 8b --seq 3072 --fp8 tensorwise --fp8_head --breakdown",
          "drafter --preset 27b --fp8 rowwise --fp8_head --breakdown", "drafter --preset 27b --fp8_head --breakdown",
-         "drafter --preset 27b --fp8 tensorwise"]  # 7: only when asked
+         "drafter --preset 27b --fp8 tensorwise", "target --model 27b --breakdown --profile --target_fp8",
+         "target --model 8b --breakdown --target_fp8", "e2e --model 8b --fp8 tensorwise --fp8_head",
+         "e2e --model 8b --fp8 tensorwise --fp8_head --target_fp8"]  # 7: only when asked
 
 
 def run_all(args):
@@ -416,13 +485,14 @@ def main(argv=None):
                                 ("--cases", "", "all: indices into CASES, e.g. 0,1,2; default all but 7"),
                                 ("--json", "", "also write the rows here"), ("--chunk", 64, "objective chunk (blocks)"),
                                 ("--markov_rank", 0, "drafter: a Markov head of this rank"),
-                                ("--fp8", "", "drafter: tensorwise | rowwise FP8 linears (torchao)"),
+                                ("--fp8", "", "drafter, e2e: tensorwise | rowwise FP8 linears (torchao)"),
                                 ("--case-timeout", 300, "all: seconds per case"), ("--anchors", 512, None),
                                 ("--new_tokens", 128, "decode: new tokens"), ("--seq_e2e", 3072, None)):
         ap.add_argument(flag, type=type(default), default=default, help=help)  # a str or an int, as its default
-    for flag, help in (("--eager", "drafter: layers uncompiled (the 'before')"), ("--breakdown", "drafter"),
-                       ("--profile", "drafter"), ("--no-fla", "27b: transformers' torch fallback kernels"),
-                       ("--fp8_head", "drafter: the LM head's matmuls in FP8 (model.Float8Head)")):
+    for flag, help in (("--eager", "drafter: layers uncompiled (the 'before')"), ("--breakdown", "drafter, target"),
+                       ("--profile", "drafter, target"), ("--no-fla", "27b: transformers' torch fallback kernels"),
+                       ("--fp8_head", "drafter, e2e: the LM head's matmuls in FP8 (model.Float8Head)"),
+                       ("--target_fp8", "target, e2e: the target's linears in FP8 (model.Float8Frozen)")):
         ap.add_argument(flag, action="store_true", help=help)
     args = ap.parse_args(argv)
     try:

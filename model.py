@@ -521,6 +521,37 @@ class Float8Head:
         return self._mm(g8_s, self.w_DV, self.s_D1, dtype)
 
 
+_rows_fp8_dynamic = torch.compile(_rows_fp8, dynamic=True)  # the target's activations: one graph for every length
+
+
+class Float8Frozen(nn.Module):
+    """A frozen nn.Linear of the target in FP8, forward only (train.py --target_fp8): the weight in e4m3 with a scale
+    per output row, each activation row scaled as it comes (torch._scaled_mm's rowwise mode). Half the bytes of bf16."""
+
+    def __init__(self, linear):
+        super().__init__()
+        w8, s = _rows_fp8(linear.weight.detach())
+        self.register_buffer("w8", w8)
+        self.register_buffer("s", s)
+        self.bias = linear.bias
+
+    def forward(self, x):
+        x8, s_x = (_rows_fp8_dynamic if x.is_cuda else _rows_fp8)(x.reshape(-1, x.shape[-1]))
+        y = torch._scaled_mm(x8, self.w8.t(), scale_a=s_x, scale_b=self.s.t(), out_dtype=torch.bfloat16)
+        y = y.view(*x.shape[:-1], -1).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def target_to_float8(decoder):
+    """Every nn.Linear in the decoder's layers whose sizes suit the FP8 kernels (multiples of 16) -> Float8Frozen, in
+    place. -> how many were replaced. The embedding and any LM head stay as they are."""
+    found = [(parent, name, m) for parent in decoder.layers.modules() for name, m in parent.named_children()
+             if isinstance(m, nn.Linear) and m.in_features % 16 == 0 and m.out_features % 16 == 0]
+    for parent, name, m in found:
+        setattr(parent, name, Float8Frozen(m))
+    return len(found)
+
+
 class HeadCE(torch.autograd.Function):
     """Frozen LM head + weighted cross-entropy, chunked over rows, the input gradient computed in the forward: each
     chunk's [rows, V] logits exist once, never recomputed (no third LM-head matmul), never all in fp32. The head gets

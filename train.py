@@ -31,7 +31,7 @@ from attention import compile_count, configure_compile
 from checkpoint import (list_ckpts, lock_run_dir, log_line, log_skipped, open_run_dir, plot_curves,
                         resume_point, save_checkpoint, warn_config_changes, write_done, write_run_info)
 from model import (DFlashDrafter, DrafterConfig, Float8Head, dflash_loss, drafter_config_from_target, load_drafter,
-                   sample_anchors, to_float8)
+                   sample_anchors, target_to_float8, to_float8)
 from pipeline import (USABLE, Capture, Colocated, Receiver, assign_roles, drafter_schedule, fill_target,
                       frozen_tables, largest_anchors, memory_check, on_gpu, per_step, placement_table, reduce_stats,
                       report_failure, role_of, run_target, setup_dist, target_decoder, teardown_dist, torchrun_env,
@@ -81,6 +81,7 @@ class Config:
     compile: bool = True  # CUDA: compile each drafter layer (flex inside); False = eager layers, flex compiled
     fp8: str = ""  # "" = bf16 matmuls | tensorwise | rowwise: FP8 drafter linears (model.to_float8, torchao)
     fp8_head: bool = False  # the frozen LM head's two matmuls (logits, input gradient) in FP8 (model.Float8Head)
+    target_fp8: bool = False  # the frozen target's linears in FP8 for its forward (model.Float8Frozen); unsharded
     prefetch: int = 2  # micro-batches a target rank may have in flight to its drafters
     transport_timeout: int = 900  # seconds before a blocked collective or transfer fails the job
     # logging
@@ -405,8 +406,9 @@ RULES = SHAPE + [
     ("fp8", lambda c, t: not c.fp8 or importlib.util.find_spec("torchao"), "needs torchao (requirements.txt)"),
     ("fp8_head", lambda c, t: not c.fp8_head or t.vocab_size % 16 == t.hidden_size % 16 == 0,
      "needs the target's vocab_size ({t.vocab_size}) and hidden_size ({t.hidden_size}) to be multiples of 16"),
-    ("fp8", lambda c, t: not ((c.fp8 or c.fp8_head) and on_gpu(c.device)) or torch.cuda.get_device_capability() >= (
-        8, 9), "fp8 and fp8_head need FP8 tensor cores (compute capability 8.9 or newer)"),
+    ("fp8", lambda c, t: not ((c.fp8 or c.fp8_head or c.target_fp8) and on_gpu(c.device))
+     or torch.cuda.get_device_capability() >= (8, 9),
+     "fp8, fp8_head and target_fp8 need FP8 tensor cores (compute capability 8.9 or newer)"),
     ("device", lambda c, t: c.device in ("auto", "cpu") or (c.device == "cuda" and torch.cuda.is_available()),
      "must be auto, cpu or cuda (cuda only where CUDA is available)"),
     # the run directory is the only place a run writes: run_name is one plain name inside out_dir, never a path
@@ -452,6 +454,9 @@ def validate(cfg, world, target_config, tokenizer, local_world=None, device_gib=
         if not set(*after) & {g for g, _ in failed} and not ok(cfg, tc):
             failed.append((f, m))
     errs += [f"{f}={getattr(cfg, f)!r} {m.format(c=cfg, t=tc)}" for f, m in failed]
+    if cfg.target_fp8 and cfg.target_shard == "fsdp" and world > 1:
+        errs.append("target_fp8=True needs target_shard=replicate when target ranks are their own processes (FSDP2 "
+                    "shards the bf16 weights; their FP8 copies would not be sharded)")
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
     if _plain(cfg.run_name) and not cfg.resume and list_ckpts(run_dir):
         # a fresh run would interleave its checkpoints with the old run's (and prune the wrong ones)
@@ -556,9 +561,11 @@ def load_target(cfg, dcfg, d):
         for module in [*base.layers, base]:  # each decoder layer, then the root
             fully_shard(module, mesh=d.target_mesh, reshard_after_forward=True)
     fill_target(base, cfg.target, d.device, getattr(torch, cfg.dtype), d.target_mesh, verbose=d.rank == d.targets[0])
+    n8 = target_to_float8(base) if cfg.target_fp8 else 0  # the loaded bf16 weights give way to their FP8 copies
     if d.rank == d.targets[0]:
         import resource  # peak host memory of this process so far: loading reads one tensor at a time
-        print(f"target loaded ({'colocated' if d.world == 1 else cfg.target_shard}) in {time.time() - t0:.1f}s, peak "
+        print(f"target loaded ({'colocated' if d.world == 1 else cfg.target_shard}"
+              f"{f', {n8} linears in FP8' if n8 else ''}) in {time.time() - t0:.1f}s, peak "
               f"host RSS of rank {d.rank} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB",
               flush=True)
     return base

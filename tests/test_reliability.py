@@ -378,6 +378,16 @@ def test_fp8_head_needs_fp8_sized_head(valid, target_meta):
         train.validate(train.Config(**valid, fp8_head=True), 3, odd, tok)
 
 
+
+def test_target_fp8_needs_an_unsharded_target(valid, target_meta):
+    """FSDP2 shards the target's bf16 weights; their FP8 copies would not be: refused before any work unless the
+    target is replicated (or colocated with the drafter in one process)."""
+    tc, tok = target_meta
+    with pytest.raises(ValueError, match=r"target_fp8=True needs target_shard=replicate"):
+        train.validate(train.Config(**valid, target_fp8=True), 3, tc, tok)
+    train.validate(train.Config(**valid, target_fp8=True, target_shard="replicate"), 3, tc, tok)
+    train.validate(train.Config(**valid, target_fp8=True), 1, tc, tok)  # colocated: one process, no FSDP
+
 def test_fresh_run_over_old_checkpoints_is_refused(valid, target_meta):
     os.makedirs(os.path.join(valid["out_dir"], "r", "ckpt-0000100"))
     with pytest.raises(ValueError, match=r"resume: .* already holds checkpoints .*ckpt-0000100"):

@@ -101,6 +101,32 @@ def test_capture_matches_output_hidden_states(tiny_target, world, shard):
                                     nprocs=world)
 
 
+
+def test_target_fp8_captures_within_fp8_rounding(tiny_target):
+    """--target_fp8: every linear of the loaded layers becomes model.Float8Frozen (e4m3 weights scaled per output
+    row, activations per row; torch._scaled_mm rounds for real on CPU too), and the captured states stay within
+    FP8's rounding of the bf16 target's, far from unrelated states. Whether tau keeps is a GPU measurement."""
+    from model import DrafterConfig, Float8Frozen
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1")
+    dcfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=49152, mask_token_id=16,
+                         target_layer_ids=[0, 2, 3], num_target_layers=6)
+    ids, got = torch.randint(0, 49152, (2, 20)), {}
+    for fp8 in (False, True):
+        cfg = train.Config(target=str(tiny_target), device="cpu", target_ranks=1, drafter_ranks=1, target_fp8=fp8,
+                           mask_token="<empty_output>", drafter_layers=2, target_features=3, sliding_layers=0)
+        d = train.setup_dist(cfg, train.torchrun_env())
+        base = train.load_target(cfg, dcfg, d)
+        kinds = {type(m) for m in base.layers.modules() if isinstance(m, (torch.nn.Linear, Float8Frozen))}
+        assert kinds == ({Float8Frozen} if fp8 else {torch.nn.Linear})
+        got[fp8] = Capture(base, dcfg.target_layer_ids)(ids).float()
+        train.teardown_dist(d)
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()
+    # e4m3 keeps 3 mantissa bits: ~5% per matmul; measured on this target, whose random weights (std 0.2) amplify
+    # it: layer 0 ~11%, layer 3 ~15% (bf16 alone: 1-2% against fp32)
+    assert 0 < rel(got[True][..., :64], got[False][..., :64]) < 0.15 and rel(got[True], got[False]) < 0.25
+    assert rel(got[False][:1], got[False][1:]) > 1  # what a real difference of states measures
+
 def test_torchrun_3_and_4_processes_and_topology_invariance(tiny_target, convs, tmp_path):
     """Same seed, same global batch (4 sequences per step): world 1 colocated, 2 targets + 1 drafter, and
     2 targets + 2 data-parallel drafters give the same step-1 loss and grad norm."""
