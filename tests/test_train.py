@@ -180,16 +180,19 @@ def test_markov_head_trains_through_train_py(tiny_target, convs, tmp_path):
 
 
 def test_fp8_trains_through_train_py(tiny_target, convs, tmp_path):
-    """--fp8=rowwise (emulated on CPU) with --fp8_head (real e4m3 matmuls): the run ends, its losses stay within FP8
-    rounding of the run without them (same seed and data) while differing from them, and its checkpoint is a plain
-    released-format drafter."""
+    """--fp8=tensorwise (emulated on CPU) with --fp8_head (real e4m3 matmuls): the run ends, its losses stay within
+    FP8 rounding of the run without them (same seed and data) while differing from them, and its checkpoint is a
+    plain released-format drafter. --target_fp8 on top trains on the FP8 target's states: it ends, loss near too."""
     from model import load_drafter
     runs = {}
-    for name, extra in (("fp8", ["--fp8=rowwise", "--fp8_head=true"]), ("ref", [])):
+    for name, extra in (("fp8", ["--fp8=tensorwise", "--fp8_head=true"]), ("ref", []),
+                        ("all", ["--fp8=tensorwise", "--fp8_head=true", "--target_fp8=true"])):
         p, _ = run_train(tiny_target, convs, tmp_path / name, 1, "--max_steps=3", *extra)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         runs[name] = [r["loss"] for r in metrics(tmp_path / name)]
     assert runs["fp8"] != runs["ref"] and runs["fp8"] == pytest.approx(runs["ref"], rel=0.02)
+    assert runs["all"] != runs["fp8"] and runs["all"] == pytest.approx(runs["ref"], rel=0.1)
+    assert "linears in FP8" in p.stdout
     fp8, ref = (load_drafter(tmp_path / name / "r" / "ckpt-0000003") for name in ("fp8", "ref"))
     assert fp8.cfg == ref.cfg and list(fp8.state_dict()) == list(ref.state_dict())
 
