@@ -22,7 +22,7 @@ from attention import build_masks, compile_count, configure_compile, dflash_bloc
 from data import demo_settings
 from model import (DFlashDrafter, DrafterConfig, Float8Frozen, Float8Head, HeadCE, dflash_loss, sample_anchors,
                    target_to_float8, to_float8)
-from pipeline import Capture, GiB, memory_need
+from pipeline import Capture, GiB, fla_short_conv, memory_need
 from train import Config, Optimizer
 
 # Qwen3.6-27B text stack (3 Gated-DeltaNet + 1 gated full-attention layer, 16 times), shapes as we know them (checked)
@@ -210,7 +210,7 @@ def bench_drafter(args):
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
 
 
-def build_target(name):
+def build_target(name, fla_conv=True):
     """Random bf16 CausalLM on the GPU from the config -> (model, layer ids, shapes, kernels note)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     (model_type, conf, ids, shapes), kernels = TARGETS[name], "sdpa"
@@ -223,6 +223,8 @@ def build_target(name):
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **conf), dtype=torch.bfloat16)
+    if fla_conv and fla_short_conv(model):  # as train.py's load_target
+        kernels += ", its short convolution too"
     return model.eval().requires_grad_(False), ids, shapes, kernels
 
 
@@ -276,7 +278,7 @@ def target_rows(row, label, dec, cap, B, S, iters):
 def bench_target(args):
     if args.no_fla:  # hide flash-linear-attention from transformers' availability check (find_spec -> None)
         sys.modules["fla"] = None
-    model, ids, shapes, kernels = build_target(args.model)
+    model, ids, shapes, kernels = build_target(args.model, not args.torch_conv)
     case, dec, ceiling = f"target {args.model} ({kernels})", model.get_decoder(), matmul_ceiling()
     L, keep, row = dec.config.num_hidden_layers, max(ids) + 1, table(case)
     print(f"{case}: {L} layers, {sum(p.numel() for p in dec.layers.parameters()) / 1e9:.2f}B layer params; ours runs "
@@ -491,6 +493,7 @@ def main(argv=None):
         ap.add_argument(flag, type=type(default), default=default, help=help)  # a str or an int, as its default
     for flag, help in (("--eager", "drafter: layers uncompiled (the 'before')"), ("--breakdown", "drafter, target"),
                        ("--profile", "drafter, target"), ("--no-fla", "27b: transformers' torch fallback kernels"),
+                       ("--torch-conv", "target 27b: the short convolution in transformers' torch path, fla elsewhere"),
                        ("--fp8_head", "drafter, e2e: the LM head's matmuls in FP8 (model.Float8Head)"),
                        ("--target_fp8", "target, e2e: the target's linears in FP8 (model.Float8Frozen)")):
         ap.add_argument(flag, action="store_true", help=help)

@@ -298,6 +298,36 @@ def target_decoder(path, n_layers, dtype):
     return base.requires_grad_(False).eval()
 
 
+def fla_short_conv(decoder, conv=None, device_type="cuda"):
+    """Gated-DeltaNet layers (Qwen3.5/3.6, Qwen3-Next) run their short causal convolution through transformers'
+    reference path, a depthwise F.conv1d and then SiLU over [B, D, T], unless the CUDA-built causal-conv1d package is
+    installed. flash-linear-attention ships a Triton kernel for the same convolution with the SiLU fused (its layout:
+    x [B, T, D], weight [D, W]): point those layers' modeling module at it, for CUDA tensors only (CPU tensors, packed
+    sequences and other activations keep the reference path). conv, device_type: a stand-in with fla's signature
+    and the device type it serves (tests).
+    -> the names of the modules patched; none without such layers, or without fla, or with causal-conv1d."""
+    import importlib.util
+    mods = {sys.modules[type(m).__module__] for m in decoder.modules() if hasattr(m, "conv1d")}
+    mods = [m for m in mods if callable(getattr(m, "causal_conv1d_fn", None))
+            and not getattr(m.causal_conv1d_fn, "fla_short_conv", False)]
+    if not mods or (conv is None and importlib.util.find_spec("causal_conv1d") is not None):
+        return []
+    if conv is None:
+        try:
+            from fla.modules.causal_conv1d import causal_conv1d as conv
+        except ImportError:
+            return []
+    for mod in mods:
+        def short_conv(x_BDT, weight, bias=None, activation=None, _reference=mod.causal_conv1d_fn, **kw):
+            if x_BDT.device.type != device_type or activation not in (None, "silu", "swish") \
+                    or kw.get("seq_idx") is not None or kw.get("cu_seqlens") is not None:
+                return _reference(x_BDT, weight, bias, activation=activation, **kw)
+            return conv(x_BDT.transpose(1, 2), weight, bias, activation=activation)[0].transpose(1, 2)
+        short_conv.fla_short_conv = True
+        mod.causal_conv1d_fn = short_conv
+    return sorted(m.__name__ for m in mods)
+
+
 def fill_target(base, path, device, dtype, mesh=None, verbose=False):
     """Materialize `base` (already sharded, or not) on `device` and copy in the checkpoint, this rank's shard only."""
     base.to_empty(device=device)

@@ -32,7 +32,7 @@ from checkpoint import (list_ckpts, lock_run_dir, log_line, log_skipped, open_ru
                         resume_point, save_checkpoint, warn_config_changes, write_done, write_run_info)
 from model import (DFlashDrafter, DrafterConfig, Float8Head, dflash_loss, drafter_config_from_target, load_drafter,
                    sample_anchors, target_to_float8, to_float8)
-from pipeline import (USABLE, Capture, Colocated, Receiver, assign_roles, drafter_schedule, fill_target,
+from pipeline import (USABLE, Capture, Colocated, Receiver, assign_roles, drafter_schedule, fill_target, fla_short_conv,
                       frozen_tables, largest_anchors, memory_check, on_gpu, per_step, placement_table, reduce_stats,
                       report_failure, role_of, run_target, setup_dist, target_decoder, teardown_dist, torchrun_env,
                       watch_for_death)
@@ -562,10 +562,12 @@ def load_target(cfg, dcfg, d):
             fully_shard(module, mesh=d.target_mesh, reshard_after_forward=True)
     fill_target(base, cfg.target, d.device, getattr(torch, cfg.dtype), d.target_mesh, verbose=d.rank == d.targets[0])
     n8 = target_to_float8(base) if cfg.target_fp8 else 0  # the loaded bf16 weights give way to their FP8 copies
+    fla = fla_short_conv(base)  # Gated-DeltaNet's short convolution in fla's Triton kernel, if installed
     if d.rank == d.targets[0]:
         import resource  # peak host memory of this process so far: loading reads one tensor at a time
         print(f"target loaded ({'colocated' if d.world == 1 else cfg.target_shard}"
-              f"{f', {n8} linears in FP8' if n8 else ''}) in {time.time() - t0:.1f}s, peak "
+              f"{f', {n8} linears in FP8' if n8 else ''}{', short convolution in fla' if fla else ''}) in "
+              f"{time.time() - t0:.1f}s, peak "
               f"host RSS of rank {d.rank} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB",
               flush=True)
     return base

@@ -123,3 +123,23 @@ def test_loss_variants_on_cuda_equal_cpu(weighting, markov_rank):
     assert out[1][0] == pytest.approx(out[0][0], rel=1e-4) and out[1][1] == pytest.approx(out[0][1], rel=1e-5)
     for a, b in zip(out[0][2], out[1][2]):
         torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-2)
+
+
+@cuda
+def test_fla_short_conv_on_cuda_equals_the_reference(monkeypatch):
+    """fla's Triton short convolution (pipeline.fla_short_conv, as train.py loads a Gated-DeltaNet target) against
+    transformers' reference path, bf16 on CUDA: the same decoder output up to bf16 rounding."""
+    import sys
+    pytest.importorskip("fla", reason="flash-linear-attention (requirements-cuda.txt) not installed")
+    from pipeline import fla_short_conv
+    from test_train import tiny_gated_deltanet
+    dec = tiny_gated_deltanet().to("cuda", torch.bfloat16)
+    module = sys.modules[type(dec.layers[0].linear_attn).__module__]
+    monkeypatch.setattr(module, "causal_conv1d_fn", module.causal_conv1d_fn)
+    ids = torch.randint(0, 256, (2, 300), device="cuda")
+    with torch.no_grad():
+        ref = dec(input_ids=ids).last_hidden_state.float()
+        assert fla_short_conv(dec) == [module.__name__]
+        got = dec(input_ids=ids).last_hidden_state.float()
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert 0 <= rel < 2e-2, rel

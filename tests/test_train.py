@@ -127,6 +127,47 @@ def test_target_fp8_captures_within_fp8_rounding(tiny_target):
     assert 0 < rel(got[True][..., :64], got[False][..., :64]) < 0.15 and rel(got[True], got[False]) < 0.25
     assert rel(got[False][:1], got[False][1:]) > 1  # what a real difference of states measures
 
+def tiny_gated_deltanet(seed=0):
+    """A random Qwen3.5-style decoder: 3 Gated-DeltaNet layers and 1 full-attention layer (the 27B's pattern)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    c = AutoConfig.for_model("qwen3_5_text", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                             linear_conv_kernel_dim=4, layer_types=["linear_attention"] * 3 + ["full_attention"])
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(c).eval().get_decoder()
+
+
+def test_fla_short_conv_keeps_the_gated_deltanet_layer(monkeypatch, tiny_target):
+    """pipeline.fla_short_conv points the Gated-DeltaNet layers' short convolution at a kernel with fla's layout
+    (x [B, T, D], weight [D, W], SiLU fused), here a stand-in written to that contract, on CPU: the decoder's output
+    stays the reference path's, the stand-in ran in every such layer, a second call patches nothing, and a decoder
+    without such layers is left alone. On the GPU, tests/test_gpu.py runs fla's own kernel."""
+    import sys
+    import torch.nn.functional as F
+    from pipeline import fla_short_conv
+    dec, ids, calls = tiny_gated_deltanet(), torch.randint(0, 256, (2, 37)), []
+    module = sys.modules[type(dec.layers[0].linear_attn).__module__]
+    monkeypatch.setattr(module, "causal_conv1d_fn", module.causal_conv1d_fn)  # restored after the test
+
+    def conv(x_BTD, weight_DW, bias=None, activation=None):
+        calls.append(x_BTD.shape)
+        W, T = weight_DW.shape[1], x_BTD.shape[1]
+        xp = F.pad(x_BTD, (0, 0, W - 1, 0))  # causal: W - 1 zeros before the first step
+        y = sum(xp[:, k:k + T] * weight_DW[:, k] for k in range(W)) + (0 if bias is None else bias)
+        return (F.silu(y) if activation in ("silu", "swish") else y), None
+    with torch.no_grad():
+        ref = dec(input_ids=ids).last_hidden_state
+        assert fla_short_conv(dec, conv, "cpu") == [module.__name__]
+        got = dec(input_ids=ids).last_hidden_state
+    assert calls == [(2, 37, 2 * 2 * 16 + 4 * 16)] * 3
+    assert torch.allclose(got, ref, atol=1e-5) and ref.abs().max() > 1
+    assert fla_short_conv(dec, conv, "cpu") == []  # already patched
+    from transformers import AutoModelForCausalLM
+    llama = AutoModelForCausalLM.from_pretrained(tiny_target).get_decoder()
+    assert fla_short_conv(llama, conv, "cpu") == []
+
+
 def test_torchrun_3_and_4_processes_and_topology_invariance(tiny_target, convs, tmp_path):
     """Same seed, same global batch (4 sequences per step): world 1 colocated, 2 targets + 1 drafter, and
     2 targets + 2 data-parallel drafters give the same step-1 loss and grad norm."""
