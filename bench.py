@@ -19,9 +19,9 @@ from torch.profiler import ProfilerActivity, profile
 
 import eval as ev
 from attention import build_masks, compile_count, configure_compile, dflash_block_mask, flex_compiled
-from data import demo_settings
-from model import (DFlashDrafter, DrafterConfig, Float8Frozen, Float8Head, HeadCE, dflash_loss, sample_anchors,
-                   target_to_float8, to_float8)
+from data import demo_settings, load_tokenizer
+from model import (DFlashDrafter, DrafterConfig, Float8Frozen, Float8Head, HeadCE, build_target_layer_ids, dflash_loss,
+                   sample_anchors, target_to_float8, to_float8)
 from pipeline import Capture, GiB, fla_short_conv, memory_need
 from train import Config, Optimizer
 
@@ -336,6 +336,35 @@ def bench_target(args):
         dist.destroy_process_group()
 
 
+def bench_fp8_states(args):
+    """train.py --target_fp8 on a real target and real text: the captured states of the target with FP8 linears and
+    of the bf16 target, each against the fp32 target's, per captured layer; bf16's distance is the error bf16
+    training already takes. Default: the demo's target (SmolLM2) on chitchat conversations. CPU or CUDA:
+    torch._scaled_mm takes the same e4m3 operands on both."""
+    from data import default_cache_dir, load_target, read_conversations, tokenize_conversation, write_chitchat
+    dev, row = "cuda" if torch.cuda.is_available() else "cpu", table("fp8 target states")
+    path = args.target or str(default_cache_dir() / "smollm2-135m-instruct")
+    convs = read_conversations(args.data or write_chitchat(default_cache_dir())[0], skip_invalid=True)[0]
+    models = {dt: load_target(path, dev, getattr(torch, dt))[0].get_decoder() for dt in ("float32", "bfloat16")}
+    models["fp8"] = load_target(path, dev, torch.bfloat16)[0].get_decoder()
+    n8, L = target_to_float8(models["fp8"]), models["fp8"].config.num_hidden_layers
+    ids = build_target_layer_ids(L, 5)
+    caps, tok = {k: Capture(m, ids) for k, m in models.items()}, load_tokenizer(path)
+    err = {k: [[] for _ in ids] for k in ("bfloat16", "fp8")}  # per captured layer: (norm of diff, norm) per conv
+    for conv in convs[:args.convs]:
+        x = torch.tensor([tokenize_conversation(tok, conv, args.seq_e2e)[0]], device=dev)
+        ref = caps["float32"](x).chunk(len(ids), -1)
+        for k in err:
+            for e, a, b in zip(err[k], caps[k](x).float().chunk(len(ids), -1), ref):
+                e.append(((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten())  # one relative error per token
+    print(f"{path}: {L} layers, captured {ids}, {n8} linears in FP8, {min(args.convs, len(convs))} conversations, "
+          f"{sum(len(t) for t in err['fp8'][0])} tokens, {dev}")
+    for k, label in (("bfloat16", "bf16 target"), ("fp8", "FP8 target")):
+        med = [torch.cat(e).median().item() for e in err[k]]
+        row(f"{label} vs fp32: median relative error per token, per captured layer",
+            " / ".join(f"{m:.4f}" for m in med), f"layers {ids}")
+
+
 def bench_e2e(args):
     """train.py's colocated step on random data: capture, anchors, dflash_loss, backward, train.Optimizer, syncs."""
     configure_compile()
@@ -478,7 +507,7 @@ def run_all(args):
 
 def main(argv=None):
     benches = dict(all=run_all, ceilings=bench_ceilings, drafter=bench_drafter, target=bench_target, e2e=bench_e2e,
-                   decode=bench_decode, plan=bench_plan)
+                   decode=bench_decode, plan=bench_plan, fp8states=bench_fp8_states)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", nargs="?", default="all", choices=list(benches))
     ap.add_argument("--preset", default="27b", choices=list(PRESETS), help="drafter: whose drafter")
@@ -489,7 +518,10 @@ def main(argv=None):
                                 ("--markov_rank", 0, "drafter: a Markov head of this rank"),
                                 ("--fp8", "", "drafter, e2e: tensorwise | rowwise FP8 linears (torchao)"),
                                 ("--case-timeout", 300, "all: seconds per case"), ("--anchors", 512, None),
-                                ("--new_tokens", 128, "decode: new tokens"), ("--seq_e2e", 3072, None)):
+                                ("--new_tokens", 128, "decode: new tokens"),
+                                ("--seq_e2e", 3072, "e2e; fp8states: tokens per conversation"),
+                                ("--target", "", "fp8states: HF folder (default: the demo's target)"),
+                                ("--data", "", "fp8states: conversations (default: chitchat)"), ("--convs", 32, None)):
         ap.add_argument(flag, type=type(default), default=default, help=help)  # a str or an int, as its default
     for flag, help in (("--eager", "drafter: layers uncompiled (the 'before')"), ("--breakdown", "drafter, target"),
                        ("--profile", "drafter, target"), ("--no-fla", "27b: transformers' torch fallback kernels"),
