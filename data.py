@@ -630,8 +630,9 @@ def demo_settings(device, world=1):
             eval=dict(limit=8, max_new_tokens=48, workers=min(2, os.cpu_count() or 1)))
     return dict(
         # every distinct train prompt with its greedy answer and 2 sampled ones: greedy answers alone were too little
-        # text, memorized by a longer run (BENCHMARKS.md). batch: records per resumable write; 4 processes per GPU:
-        # a 135M model's batched generate is bound by Python and kernel launches, so processes on one GPU overlap
+        # text, memorized by a longer run; T = 1.0 lost to 0.8 (BENCHMARKS.md). batch: records per resumable write;
+        # 4 processes per GPU: a 135M model's batched generate is bound by Python and kernel launches, so processes on
+        # one GPU overlap
         corpus=dict(n_train=4395, n_eval=256, max_new_tokens=256, batch_size=512, samples=2, sample_temperature=0.8,
                     procs_per_gpu=4),
         # 4.3 epochs = 3,504 steps of 16 on the 13,050 kept answers: the reference recipe's ~6 minutes on one H200 at

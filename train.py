@@ -81,7 +81,9 @@ class Config:
     compile: bool = True  # CUDA: compile each drafter layer (flex inside); False = eager layers, flex compiled
     fp8: str = ""  # "" = bf16 matmuls | tensorwise | rowwise: FP8 drafter linears (model.to_float8, torchao)
     fp8_head: bool = False  # the frozen LM head's two matmuls (logits, input gradient) in FP8 (model.Float8Head)
-    target_fp8: bool = False  # the frozen target's linears in FP8 for its forward (model.Float8Frozen); unsharded
+    # the frozen target's linears in FP8 for its forward (model.Float8Frozen); unsharded. Off: its states sit 6-7x
+    # further from fp32 than bf16's (BENCHMARKS.md); on: training for a target served in FP8
+    target_fp8: bool = False
     prefetch: int = 2  # micro-batches a target rank may have in flight to its drafters
     transport_timeout: int = 900  # seconds before a blocked collective or transfer fails the job
     # logging
