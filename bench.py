@@ -483,7 +483,7 @@ CASES = ["ceilings", "drafter --preset 27b --seq 4096,2048 --breakdown", "drafte
          "drafter --preset 27b --fp8 rowwise --fp8_head --breakdown", "drafter --preset 27b --fp8_head --breakdown",
          "drafter --preset 27b --fp8 tensorwise", "target --model 27b --breakdown --profile --target_fp8",
          "target --model 8b --breakdown --target_fp8", "e2e --model 8b --fp8 tensorwise --fp8_head",
-         "e2e --model 8b --fp8 tensorwise --fp8_head --target_fp8"]  # 7: only when asked
+         "e2e --model 8b --fp8 tensorwise --fp8_head --target_fp8", "target --model 27b --torch-conv"]  # 7: when asked
 
 
 def run_all(args):
