@@ -5,6 +5,7 @@ equals plain greedy decoding (README: Evaluate a drafter).
   python eval.py --target DIR --drafter CKPT --data prompts.jsonl [--workers 8 --train-data train.jsonl ...]
   python eval.py --watch out/RUN --data prompts.jsonl [...]   # every checkpoint of a run, as training writes it
   python eval.py --demo out/RUN                 # a demo run (launch.sh): untrained vs trained, on held-out prompts
+  python eval.py --target DIR --drafter CKPT --bench humaneval,sharegpt,chitchat  # sets, then the macro mean
 """
 import argparse
 import copy
