@@ -389,7 +389,8 @@ def watch(run_dir, out_dir, evaluate_ckpt, poll=30.0, once=False):
                 continue
             write_results(res, os.path.join(out_dir, name))
             rows.append(dict(ckpt=name, step=0 if name == "init" else int(name[5:]), **{k: res.get(k) for k in (
-                "tau", "tau_pooled", "tau_committed", "speedup", "lossless", "seen_in_training")},
+                "tau", "tau_pooled", "tau_committed", "tau_sglang", "tau_vllm", "speedup", "lossless",
+                "seen_in_training")},
                 divergences=len(res["divergences"])))
             with open(log, "a") as f:
                 f.write(json.dumps(rows[-1]) + "\n")
