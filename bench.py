@@ -20,10 +20,11 @@ from torch.profiler import ProfilerActivity, profile
 import eval as ev
 from attention import build_masks, compile_count, configure_compile, dflash_block_mask, flex_compiled
 from data import demo_settings, load_tokenizer
-from model import (DFlashDrafter, DrafterConfig, Float8Frozen, Float8Head, HeadCE, build_target_layer_ids, dflash_loss,
-                   sample_anchors, target_to_float8, to_float8)
+from fused import Float8Head, Head, HeadCE, HeadTask
+from model import (DFlashDrafter, DrafterConfig, Float8Frozen, LossBatch, Tables,
+                   build_target_layer_ids, dflash_loss, sample_anchors, target_to_float8, to_float8)
 from pipeline import Capture, GiB, fla_short_conv, memory_need
-from train import Config, Optimizer
+from train import Config, Optimizer, loss_options
 
 # Qwen3.6-27B text stack (3 Gated-DeltaNet + 1 gated full-attention layer, 16 times), shapes as we know them (checked)
 QWEN36_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
@@ -146,6 +147,7 @@ def bench_drafter(args):
     embed, head = (torch.randn(V, D, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in "eh")
     head = Float8Head(head) if args.fp8_head else head  # as train.py's --fp8_head
     gen = torch.Generator("cuda").manual_seed(0)
+    opts = loss_options(Config(loss_chunk=args.chunk), torch.device("cuda"))
 
     def batch(S):  # random ids and target states; a quarter prompt, the rest response
         ids, lm = torch.randint(0, V, (1, S), device="cuda"), torch.zeros(1, S, device="cuda")
@@ -154,7 +156,8 @@ def bench_drafter(args):
 
     def step(ids, lm, hidden, backward=True):
         anchors, keep = sample_anchors(lm, args.anchors, gen)
-        r = dflash_loss(drafter, embed, head, ids, lm, hidden, anchors, keep, backend="flex", chunk_blocks=args.chunk)
+        r = dflash_loss(drafter, Tables(embed, head), LossBatch(ids, lm, hidden, anchors, keep),
+                        opts)
         if backward:
             (r["loss_sum"] / r["weight_sum"]).backward()
     steps = lambda *lengths: cuda_time(lambda: [step(*batch(s)) for s in lengths], 1, warmup=0)  # -> ms, one each
@@ -194,7 +197,8 @@ def bench_drafter(args):
         ms_attn = sum(n * cuda_time(lambda: flex_compiled(q, *kv, block_mask=masks[t], enable_gqa=True).sum()
                                     .backward(), args.iters) for t, n in types.items())
         out, labels, w = torch.randn(Q, D, **grad), torch.randint(0, V, (Q,), device="cuda"), torch.rand(Q).cuda()
-        ms_head = cuda_time(lambda: HeadCE.apply(out, head, labels, w, args.chunk * K)[0].backward(), args.iters)
+        task = HeadTask(head if args.fp8_head else Head(head), labels, w, labels, args.chunk * K)
+        ms_head = cuda_time(lambda: HeadCE.apply(out, None, None, task)[0].backward(), args.iters)
         attn = " + ".join(f"{n} {t[:-10]}" for t, n in types.items())
         rest = ms_step - ms_mask - ms_attn - ms_head
         for name, t in (("BlockMask build (both layer types)", ms_mask), (f"flex attention fwd+bwd ({attn})", ms_attn),
@@ -379,6 +383,7 @@ def bench_e2e(args):
     optim = Optimizer(Config(num_anchors=args.anchors), drafter, ONE_DRAFTER)
     case = f"e2e colocated {args.model}" + f" fp8 {args.fp8}" * bool(args.fp8) + " fp8 LM head" * args.fp8_head
     S, row, split = args.seq_e2e, table(case + " fp8 target" * args.target_fp8), []  # split: ms of target, drafter
+    opts = loss_options(Config(loss_chunk=args.chunk), torch.device("cuda"))
 
     def step(i):
         ids = torch.randint(0, drafter.cfg.vocab_size, (1, S - 128 * (i % 2)), device="cuda")  # two lengths
@@ -389,7 +394,8 @@ def bench_e2e(args):
         torch.cuda.synchronize()  # train.py syncs here to time the target
         t1 = time.perf_counter()
         anchors, keep = sample_anchors(lm, args.anchors, torch.Generator("cuda").manual_seed(i))
-        r = dflash_loss(drafter, embed, head, ids, lm, hidden, anchors, keep, backend="flex", chunk_blocks=args.chunk)
+        r = dflash_loss(drafter, Tables(embed, head), LossBatch(ids, lm, hidden, anchors, keep),
+                        opts)
         r["loss_sum"].backward()
         optim.step(6e-4, r["weight_sum"].item())  # .item(): train.py's stats .cpu()
         torch.cuda.synchronize()
@@ -453,8 +459,8 @@ def bench_plan(args):
             hidden = capture(ids) if capture else torch.randn(B, S, len(dcfg.target_layer_ids) * D, device="cuda",
                                                               dtype=torch.bfloat16)
             anchors, keep = sample_anchors(lm, cfg.num_anchors, gen)
-            r = dflash_loss(drafter, embed, head, ids, lm, hidden, anchors, keep, backend="flex",
-                            chunk_blocks=cfg.loss_chunk)
+            r = dflash_loss(drafter, Tables(embed, head), LossBatch(ids, lm, hidden, anchors, keep),
+                            loss_options(cfg, torch.device("cuda")))
             r["loss_sum"].backward()
             optim.step(1e-4, r["weight_sum"].item())
         return torch.cuda.max_memory_allocated() / GiB
@@ -526,7 +532,7 @@ def main(argv=None):
     for flag, help in (("--eager", "drafter: layers uncompiled (the 'before')"), ("--breakdown", "drafter, target"),
                        ("--profile", "drafter, target"), ("--no-fla", "27b: transformers' torch fallback kernels"),
                        ("--torch-conv", "target 27b: the short convolution in transformers' torch path, fla elsewhere"),
-                       ("--fp8_head", "drafter, e2e: the LM head's matmuls in FP8 (model.Float8Head)"),
+                       ("--fp8_head", "drafter, e2e: the LM head's matmuls in FP8 (fused)"),
                        ("--target_fp8", "target, e2e: the target's linears in FP8 (model.Float8Frozen)")):
         ap.add_argument(flag, action="store_true", help=help)
     args = ap.parse_args(argv)

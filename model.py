@@ -15,11 +15,13 @@ Test: python -m pytest -q tests/test_model.py
 import json
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from attention import attend, build_masks
 
@@ -470,55 +472,159 @@ def dpace_weights(ce_M, valid_M, K, alpha):
     return run.flip(-1).cumsum(-1).flip(-1).reshape(-1) * valid_M
 
 
+class Tables(NamedTuple):
+    """The frozen target's tables that the drafter borrows (not drafter weights)."""
+    embed_VD: torch.Tensor  # embeds the block tokens
+    head_VD: object  # the LM head [V, D], or a fused.Float8Head (fp8_head: its e4m3 copies)
+
+
+class LossBatch(NamedTuple):
+    """One micro-batch as the objective reads it: B sequences of S tokens, N blocks each."""
+    input_ids_BS: torch.Tensor
+    loss_mask_BS: torch.Tensor  # 1 where a token is supervised (the response)
+    hidden_BSC: torch.Tensor  # the target's states at target_layer_ids, concatenated: C = ids * D
+    anchors_BN: torch.Tensor  # sample_anchors
+    keep_BN: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """How dflash_loss weighs and computes the objective (train.loss_options: from Config)."""
+    weighting: str = "decay"  # over block offsets: decay, exp(-(k-1)/gamma) (Eq. 4) | dpace
+    gamma: float = 7.0  # decay's scale
+    alpha: float = 0.5  # dpace's smoothing of the drafter's confidence, (1 - alpha) q + alpha
+    chunk_blocks: int = 64  # blocks per LM-head chunk (0: one sequence's blocks)
+    backend: str = "sdpa"  # attention: sdpa (any device) | flex (compiled BlockMask kernel, CUDA)
+    # the LM head + CE: None = plain_head_loss, autograd, here (where a new loss starts) |
+    # fused.head_loss (HeadCE: the same loss and gradients, faster)
+    head_loss: Callable | None = None
+    # plain path only: extra(logits_MV, weights_M, rows) -> a term added to the chunk's sum of
+    # w * CE: a new logit-dependent loss without editing this file (rows: the chunk's Rows). It
+    # runs again in the backward (checkpoint), so it must be deterministic.
+    extra: Callable | None = None
+
+    def __post_init__(self):
+        if self.weighting not in ("decay", "dpace") or self.backend not in ("sdpa", "flex"):
+            raise ValueError(f"LossOptions: weighting={self.weighting!r} (decay | dpace), "
+                             f"backend={self.backend!r} (sdpa | flex)")
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The drafted rows of one micro-batch, flattened in block order: row m = (b, n, k),
+    M = B*N*K, a block's K rows consecutive. Every tensor field has one entry per row."""
+    out_MD: torch.Tensor  # the drafter's normed hidden states (differentiable)
+    labels_M: torch.Tensor  # the token each row predicts (block_labels)
+    valid_M: torch.Tensor  # bool: supervised
+    decay_M: torch.Tensor  # valid * exp(-(k-1)/gamma)
+    prev_M: torch.Tensor  # the true token before the row's: the Markov head's input
+    K: int  # block size
+    chunk_rows: int  # rows per LM-head chunk, whole blocks
+
+    def take(self, j):
+        """These rows for slice j (of whole blocks)."""
+        return replace(self, **{f.name: getattr(self, f.name)[j] for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
+
+
+def draft_rows(drafter, embed_VD, batch, opts):
+    """The drafter's forward over every block of the micro-batch, and each row's label and weight
+    -> Rows. A block is [anchor token, mask, ..., mask] at absolute positions anchor + k."""
+    ids_BS, mask_BS, hidden_BSC, anchors_BN, keep_BN = batch
+    cfg, (B, S), N, dev = drafter.cfg, ids_BS.shape, anchors_BN.shape[1], ids_BS.device
+    K = cfg.block_size
+    block_BNK = torch.full((B, N, K), cfg.mask_token_id, device=dev, dtype=ids_BS.dtype)
+    block_BNK[:, :, 0] = torch.where(keep_BN, ids_BS.gather(1, anchors_BN), cfg.mask_token_id)
+    # positions may run past S-1: they place the block, they never index a label
+    pos_BQ = (anchors_BN[:, :, None] + torch.arange(K, device=dev)).view(B, N * K)  # Q = N*K
+    x_BQD = F.embedding(block_BNK.view(B, N * K), embed_VD).to(hidden_BSC.dtype)
+    masks = build_masks(anchors_BN, keep_BN, S, K, cfg.layer_types, cfg.sliding_window,
+                        opts.backend)
+    out_BQD = drafter(x_BQD, hidden_BSC, pos_BQ, masks)
+    labels, valid, decay = block_labels(ids_BS, mask_BS, anchors_BN, keep_BN, K, opts.gamma)
+    prev = torch.cat([labels[:, :, :1], labels[:, :, :-1]], -1)  # offset 1's: the anchor token
+    return Rows(out_MD=out_BQD.reshape(B * N * K, -1), labels_M=labels.view(-1),
+                valid_M=valid.view(-1), decay_M=decay.view(-1), prev_M=prev.view(-1), K=K,
+                chunk_rows=(opts.chunk_blocks or N) * K)
+
+
+def head_logits(x_MD, head):
+    """The frozen LM head's logits; under fp8_head (a fused.Float8Head) from its e4m3 operands."""
+    return x_MD @ head.t() if isinstance(head, torch.Tensor) else head.logits_autograd(x_MD)
+
+
+def chunk_loss(rows, head, markov, opts):
+    """One chunk of whole blocks: the logits (LM head + the Markov head's bias), the weights
+    (decay's, or D-PACE's from the detached CE), sum_m w_m CE_m (+ opts.extra) -> (that sum,
+    correct_M). A new loss that needs the logits starts here."""
+    logits_MV = head_logits(rows.out_MD, head)
+    if markov is not None:
+        logits_MV = logits_MV + markov(rows.prev_M)
+    ce_M = F.cross_entropy(logits_MV.float(), rows.labels_M, reduction="none")  # fp32, as fused
+    if opts.weighting == "dpace":
+        w_M = dpace_weights(ce_M.detach(), rows.valid_M.float(), rows.K, opts.alpha)
+    else:
+        w_M = rows.decay_M
+    loss = (w_M * ce_M).sum()
+    if opts.extra is not None:
+        loss = loss + opts.extra(logits_MV, w_M, rows)
+    return loss, logits_MV.argmax(-1) == rows.labels_M
+
+
+def plain_head_loss(rows, head, drafter, opts):
+    """The LM head and the weighted CE in torch autograd, chunk by chunk -> (loss_sum, correct_M).
+    Each chunk runs under non-reentrant torch.utils.checkpoint (as SpecForge's objective chunks):
+    its [rows, V] logits are freed after its forward and recomputed in the backward, so one chunk's
+    exist at a time. The price is a third LM-head matmul per chunk, which fused.head_loss avoids by
+    computing the input gradient in its forward."""
+    markov = drafter.markov_head if drafter.cfg.markov_rank else None
+    loss_sum, correct = 0.0, []
+    for i in range(0, rows.labels_M.shape[0], rows.chunk_rows):
+        chunk = rows.take(slice(i, i + rows.chunk_rows))
+        loss, ok = checkpoint(chunk_loss, chunk, head, markov, opts, use_reentrant=False)
+        loss_sum = loss_sum + loss
+        correct.append(ok)
+    return loss_sum, torch.cat(correct)
+
+
+def block_stats(loss_sum, correct_M, rows, keep_BN, opts):
+    """dflash_loss's additive terms (see there) from the loss sum and each row's argmax hit."""
+    valid = rows.valid_M.view(*keep_BN.shape, rows.K)  # B N K
+    correct = correct_M.view(valid.shape) & valid
+    # training-time acceptance estimate: accepted = sum_j prod_{i<=j} correct_i over supervised
+    # positions, unsupervised ones count as correct inside the product (SpecForge
+    # compute_accept_len), tau = 1 + accepted
+    run = torch.cumprod((correct | ~valid)[:, :, 1:].float(), dim=-1)
+    accepted = (run * valid[:, :, 1:]).sum(-1)
+    blocks = keep_BN.sum().float()
+    return dict(
+        loss_sum=loss_sum,
+        weight_sum=blocks if opts.weighting == "dpace" else rows.decay_M.sum().detach(),
+        correct_K=correct.sum((0, 1)).float(), count_K=valid.sum((0, 1)).float(),
+        tau_sum=((1 + accepted) * keep_BN).sum(), blocks=blocks,
+    )
+
+
+def dflash_loss(drafter, tables, batch, opts=LossOptions()):
+    """DFlash objective for one micro-batch (Tables, LossBatch, LossOptions). Returns additive terms
+    so that normalization stays exact across ranks and micro-batches: loss_sum (differentiable),
+    weight_sum, per-offset correct_K / count_K, tau_sum / blocks. The caller divides: loss =
+    loss_sum / (global weight_sum). weighting "decay": weight_sum is the sum of the weights;
+    "dpace": the kept blocks (dividing by the D-PACE weights' own sum would cancel the credit they
+    give; a count summed over all ranks and micro-batches cannot depend on the split).
+    The LM head + CE: plain_head_loss, unless opts.head_loss names another (fused.head_loss)."""
+    rows = draft_rows(drafter, tables.embed_VD, batch, opts)
+    loss_sum, correct_M = (opts.head_loss or plain_head_loss)(rows, tables.head_VD, drafter, opts)
+    return block_stats(loss_sum, correct_M, rows, batch.keep_BN, opts)
+
+
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
-
-
-def _ce_chunk(logits_MV, labels_M, w_M, K=0, alpha=0.0, fp8=False):
-    """Weighted CE of one chunk and its gradient w.r.t. the logits, in fp32, returned in the logits' dtype:
-    d(sum_m w_m CE_m)/dlogits = w * (softmax - onehot). K > 0: w_M is the 0/1 mask and the weights are D-PACE's,
-    from this chunk's whole blocks of K rows. fp8: the gradient as e4m3 with a scale per row instead. No entry of a
-    row exceeds its label's own, w * (1 - p_label) (the other probabilities sum to 1 - p_label), so the scale comes
-    from the CE, with no pass for the row maxima. Compiled on CUDA into a few fused passes over [M, V]."""
-    x = logits_MV.float()
-    lse = torch.logsumexp(x, dim=-1)
-    ce = lse - x.gather(1, labels_M[:, None]).squeeze(1)
-    if K:
-        w_M = dpace_weights(ce.detach(), w_M, K, alpha)
-    grad = torch.exp(x - lse[:, None]) * w_M[:, None]
-    grad = grad.scatter_add(1, labels_M[:, None], -w_M[:, None])
-    if fp8:
-        scale = (w_M.abs() * -torch.expm1(-ce.clamp(min=0))).clamp(min=1e-12)[:, None] / E4M3_MAX
-        grad = ((grad / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale)
-    return (ce * w_M).sum(), x.argmax(-1) == labels_M, grad if fp8 else grad.to(logits_MV.dtype)
-
-
-_ce_chunk_compiled = torch.compile(_ce_chunk, dynamic=False)  # lazy; shapes are fixed per run (fixed anchors)
 
 
 def _rows_fp8(x):
     """x in e4m3 with one fp32 scale per row (x ~ x8 * scale), the operand form of torch._scaled_mm's rowwise mode."""
     scale = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / E4M3_MAX
     return (x.float() / scale).to(torch.float8_e4m3fn), scale
-
-
-_rows_fp8_compiled = torch.compile(_rows_fp8, dynamic=False)  # one pass for the row maxima, one to scale and cast
-
-
-class Float8Head:
-    """The frozen LM head [V, D] for HeadCE's two matmuls in FP8 (e4m3, a scale per row of each operand): kept twice,
-    scaled along D for the logits and along V for the input gradient, 2 bytes per weight in all, as in bf16."""
-
-    def __init__(self, head_VD):
-        (self.w_VD, self.s_V1), (self.w_DV, self.s_D1) = _rows_fp8(head_VD), _rows_fp8(head_VD.t().contiguous())
-
-    def _mm(self, x8_s, w, s_w, dtype):  # x8 [M, k] @ w.t(): w [n, k] row-major, so w.t() is column-major
-        return torch._scaled_mm(x8_s[0], w.t(), scale_a=x8_s[1], scale_b=s_w.t(), out_dtype=torch.bfloat16).to(dtype)
-
-    def logits(self, x_MD):
-        return self._mm((_rows_fp8_compiled if x_MD.is_cuda else _rows_fp8)(x_MD), self.w_VD, self.s_V1, x_MD.dtype)
-
-    def input_grad(self, g8_s, dtype):  # g8_s: the gradient already in e4m3 with its row scales (_ce_chunk fp8)
-        return self._mm(g8_s, self.w_DV, self.s_D1, dtype)
 
 
 _rows_fp8_dynamic = torch.compile(_rows_fp8, dynamic=True)  # the target's activations: one graph for every length
@@ -552,79 +658,3 @@ def target_to_float8(decoder):
     return len(found)
 
 
-class HeadCE(torch.autograd.Function):
-    """Frozen LM head + weighted cross-entropy, chunked over rows, the input gradient computed in the forward: each
-    chunk's [rows, V] logits exist once, never recomputed (no third LM-head matmul), never all in fp32. The head gets
-    no gradient. A Markov head (w1, w2 [V, r]; prev_M the previous tokens) adds its bias and gets its gradients."""
-
-    @staticmethod
-    def forward(ctx, out_MD, head_VD, labels_M, w_M, chunk_rows, K=0, alpha=0.0, prev_M=None, w1_Vr=None, w2_Vr=None):
-        ce = _ce_chunk_compiled if out_MD.is_cuda else _ce_chunk
-        loss, grad = torch.zeros((), device=out_MD.device), torch.empty_like(out_MD)
-        correct = torch.empty(out_MD.shape[0], dtype=torch.bool, device=out_MD.device)
-        g1, g2 = (None, None) if w1_Vr is None else (torch.zeros_like(w1_Vr, dtype=torch.float32),
-                                                     torch.zeros_like(w2_Vr, dtype=torch.float32))
-        fp8 = isinstance(head_VD, Float8Head)
-        for i in range(0, out_MD.shape[0], chunk_rows):
-            j = slice(i, i + chunk_rows)
-            logits = head_VD.logits(out_MD[j]) if fp8 else out_MD[j] @ head_VD.t()
-            if w1_Vr is not None:
-                e_Mr = F.embedding(prev_M[j], w1_Vr)
-                logits = logits + e_Mr @ w2_Vr.t()
-            l, correct[j], g = ce(logits, labels_M[j], w_M[j], K, alpha, fp8)
-            loss += l
-            grad[j] = head_VD.input_grad(g, grad.dtype) if fp8 else g @ head_VD
-            if w1_Vr is not None:  # the Markov factors' gradients from the dequantized rows under fp8
-                g = (g[0].to(logits.dtype) * g[1].to(logits.dtype)) if fp8 else g
-                g2 += (g.t() @ e_Mr).float()
-                g1.index_add_(0, prev_M[j], (g @ w2_Vr).float())
-        ctx.save_for_backward(grad, *(() if g1 is None else (g1.to(w1_Vr.dtype), g2.to(w2_Vr.dtype))))
-        ctx.mark_non_differentiable(correct)
-        return loss, correct
-
-    @staticmethod
-    def backward(ctx, g_loss, g_correct):
-        grad, *head = ctx.saved_tensors
-        g1, g2 = (x * g_loss.to(x.dtype) for x in head) if head else (None, None)
-        return grad * g_loss.to(grad.dtype), None, None, None, None, None, None, None, g1, g2
-
-
-def dflash_loss(drafter, embed_VD, lm_head_VD, input_ids_BS, loss_mask_BS, hidden_BSC, anchors_BN, keep_BN,
-                gamma=7.0, backend="sdpa", chunk_blocks=64, weighting="decay", alpha=0.5):
-    """DFlash objective for one micro-batch. Returns additive terms so that normalization stays exact across ranks
-    and micro-batches: loss_sum (differentiable), weight_sum, per-offset correct_K / count_K, tau_sum / blocks.
-    The caller divides: loss = loss_sum / (global weight_sum). weighting "decay": exp(-(k-1)/gamma), weight_sum the
-    sum of weights; "dpace": dpace_weights, weight_sum the kept blocks (dividing by the D-PACE weights' own sum would
-    cancel the credit they give; a count summed over all ranks and micro-batches cannot depend on the split)."""
-    cfg, (B, S), N, dev = drafter.cfg, input_ids_BS.shape, anchors_BN.shape[1], input_ids_BS.device
-    K = cfg.block_size
-
-    # blocks: [anchor token, mask, ..., mask] at absolute positions anchor+k
-    block_ids = torch.full((B, N, K), cfg.mask_token_id, device=dev, dtype=input_ids_BS.dtype)
-    block_ids[:, :, 0] = torch.where(keep_BN, input_ids_BS.gather(1, anchors_BN), cfg.mask_token_id)
-    pos_BNK = anchors_BN[:, :, None] + torch.arange(K, device=dev)  # may run past S-1: positions only, never labels
-    x = F.embedding(block_ids.view(B, N * K), embed_VD).to(hidden_BSC.dtype)
-    masks = build_masks(anchors_BN, keep_BN, S, K, cfg.layer_types, cfg.sliding_window, backend)
-    out = drafter(x, hidden_BSC, pos_BNK.view(B, N * K), masks).view(B, N, K, -1)
-
-    labels, valid, w = block_labels(input_ids_BS, loss_mask_BS, anchors_BN, keep_BN, K, gamma)
-    dpace = weighting == "dpace"
-
-    # lm_head + CE in chunks of blocks: the full [N*K, V] logits never exist at once
-    rows = (chunk_blocks if chunk_blocks > 0 else N) * K
-    prev = torch.cat([labels[:, :, :1], labels[:, :, :-1]], -1)  # the true token before each offset (1: the anchor)
-    m = drafter.markov_head if cfg.markov_rank else None
-    loss_sum, correct = HeadCE.apply(out.reshape(-1, out.shape[-1]), lm_head_VD, labels.reshape(-1),
-                                     (valid.float() if dpace else w).reshape(-1), rows, K if dpace else 0, alpha,
-                                     *([prev.reshape(-1), m.markov_w1.weight, m.markov_w2.weight] if m else []))
-    correct = correct.view(B, N, K) & valid
-
-    # training-time acceptance estimate: accepted = sum_j prod_{i<=j} correct_i over supervised positions,
-    # unsupervised positions count as correct inside the product (SpecForge compute_accept_len), tau = 1 + accepted
-    run = torch.cumprod((correct | ~valid)[:, :, 1:].float(), dim=-1)
-    accepted = (run * valid[:, :, 1:]).sum(-1)
-    return dict(
-        loss_sum=loss_sum, weight_sum=keep_BN.sum().float() if dpace else w.sum().detach(),
-        correct_K=correct.sum((0, 1)).float(), count_K=valid.sum((0, 1)).float(),
-        tau_sum=((1 + accepted) * keep_BN).sum(), blocks=keep_BN.sum().float(),
-    )

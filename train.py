@@ -30,8 +30,10 @@ import torch.distributed as dist
 from attention import compile_count, configure_compile
 from checkpoint import (list_ckpts, lock_run_dir, log_line, log_skipped, open_run_dir, plot_curves,
                         resume_point, save_checkpoint, warn_config_changes, write_done, write_run_info)
-from model import (DFlashDrafter, DrafterConfig, Float8Head, dflash_loss, drafter_config_from_target, load_drafter,
-                   sample_anchors, target_to_float8, to_float8)
+from fused import Float8Head, head_loss as fused_head_loss
+from model import (DFlashDrafter, DrafterConfig, LossBatch, LossOptions, Tables, dflash_loss,
+                   drafter_config_from_target, load_drafter, sample_anchors, target_to_float8,
+                   to_float8)
 from pipeline import (USABLE, Capture, Colocated, Receiver, assign_roles, drafter_schedule, fill_target, fla_short_conv,
                       frozen_tables, largest_anchors, memory_check, on_gpu, per_step, placement_table, reduce_stats,
                       report_failure, role_of, run_target, setup_dist, target_decoder, teardown_dist, torchrun_env,
@@ -60,6 +62,9 @@ class Config:
     gamma: float = 7.0  # decay's scale
     dpace_alpha: float = 0.5  # dpace's smoothing of the drafter's confidence, (1 - alpha) q + alpha
     loss_chunk: int = 64  # blocks per lm_head+CE chunk (0 = one sequence's blocks); the logits exist per chunk only
+    # the LM head + CE: fused = fused.HeadCE (the input gradient computed in its forward: faster) |
+    # plain = torch autograd per chunk (model.plain_head_loss, new losses start there), same results
+    loss_impl: str = "fused"
     skip_invalid: bool = False  # skip (and count) broken records instead of stopping at the first
     pad_multiple: int = 128  # sequence length bucket, tokens (fewer distinct shapes, no recompiles)
     # optim
@@ -80,7 +85,7 @@ class Config:
     device: str = "auto"  # auto | cuda | cpu
     compile: bool = True  # CUDA: compile each drafter layer (flex inside); False = eager layers, flex compiled
     fp8: str = ""  # "" = bf16 matmuls | tensorwise | rowwise: FP8 drafter linears (model.to_float8, torchao)
-    fp8_head: bool = False  # the frozen LM head's two matmuls (logits, input gradient) in FP8 (model.Float8Head)
+    fp8_head: bool = False  # the LM head's matmuls (logits, input grad) in FP8 (fused.Float8Head)
     # the frozen target's linears in FP8 for its forward (model.Float8Frozen); unsharded. Off: its states sit 6-7x
     # further from fp32 than bf16's (BENCHMARKS.md); on: training for a target served in FP8
     target_fp8: bool = False
@@ -227,9 +232,8 @@ def accumulate(step, cfg, models, source, schedule):
         # anchors depend only on (seed, m): the same sequences get the same blocks whatever the topology
         gen = torch.Generator(hidden.device).manual_seed(cfg.seed * 1_000_003 + m)
         anchors, keep = sample_anchors(batch["loss_mask"], cfg.num_anchors, gen)
-        r = dflash_loss(drafter, embed, head, batch["input_ids"], batch["loss_mask"], hidden, anchors, keep,
-                        gamma=cfg.gamma, backend="flex" if hidden.is_cuda else "sdpa", chunk_blocks=cfg.loss_chunk,
-                        weighting=cfg.loss_weighting, alpha=cfg.dpace_alpha)
+        inputs = LossBatch(batch["input_ids"], batch["loss_mask"], hidden, anchors, keep)
+        r = dflash_loss(drafter, Tables(embed, head), inputs, loss_options(cfg, hidden.device))
         r["loss_sum"].backward()
         s = {k: v.detach().double().cpu() for k, v in r.items()}  # .cpu() synchronizes
         s.update({k: torch.tensor(float(v), dtype=torch.float64) for k, v in (
@@ -401,6 +405,7 @@ RULES = SHAPE + [
     *_each(["warmup_ratio", "beta1", "beta2"], lambda x: 0 <= x < 1, "must be in [0, 1)"),
     ("dtype", lambda c, t: c.dtype in ("bfloat16", "float32"), "must be bfloat16 or float32"),
     ("loss_weighting", lambda c, t: c.loss_weighting in ("decay", "dpace"), "must be decay or dpace"),
+    ("loss_impl", lambda c, t: c.loss_impl in ("fused", "plain"), "must be fused or plain"),
     *_each(["dpace_alpha"], lambda x: 0 < x <= 1, "must be in (0, 1]"),
     *_each(["markov_rank"], lambda x: 0 <= x <= 4096, "must be in [0, 4096] (0: no Markov head)"),
     ("target_shard", lambda c, t: c.target_shard in ("fsdp", "replicate"), "must be fsdp or replicate"),
@@ -530,6 +535,14 @@ def drafter_cfg(cfg, target_config, tokenizer):
         block_size=cfg.block_size, mask_token=mask,
         layer_types=["sliding_attention"] * n + ["full_attention"] * (cfg.drafter_layers - n),
         sliding_window=cfg.sliding_window if n else None, markov_rank=cfg.markov_rank)
+
+
+def loss_options(cfg, device):
+    """The objective's options from Config: the one place where loss_impl picks the LM head + CE."""
+    return LossOptions(weighting=cfg.loss_weighting, gamma=cfg.gamma, alpha=cfg.dpace_alpha,
+                       chunk_blocks=cfg.loss_chunk,
+                       backend="flex" if device.type == "cuda" else "sdpa",
+                       head_loss=fused_head_loss if cfg.loss_impl == "fused" else None)
 
 
 def load_data(cfg, d, tokenizer, mask_id):
