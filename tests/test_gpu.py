@@ -9,7 +9,9 @@ import torch
 
 from conftest import run_train
 from attention import attend, compile_count, configure_compile, dense_mask, dflash_block_mask
-from model import DFlashDrafter, DrafterConfig, dflash_loss, sample_anchors
+import fused
+from model import (DFlashDrafter, DrafterConfig, LossBatch, LossOptions, Tables, dflash_loss,
+                   sample_anchors)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -65,7 +67,8 @@ def test_flex_loss_equals_sdpa_loss_and_no_recompiles():
         hidden = torch.randn(1, S, 3 * 256, device="cuda")
         anchors, keep = sample_anchors(lm, 64, torch.Generator("cuda").manual_seed(S))
         drafter.zero_grad()
-        r = dflash_loss(drafter, embed, head, ids, lm, hidden, anchors, keep, backend=backend)
+        r = dflash_loss(drafter, Tables(embed, head), LossBatch(ids, lm, hidden, anchors, keep),
+                        LossOptions(backend=backend, head_loss=fused.head_loss))
         r["loss_sum"].backward()
         return r["loss_sum"].item(), [p.grad.clone() for p in drafter.parameters()]
 
@@ -98,10 +101,12 @@ def test_train_colocated_cuda_compiled_layers(tiny_target, convs, tmp_path):
 
 
 @cuda
+@pytest.mark.parametrize("impl", ["fused", "plain"])
 @pytest.mark.parametrize("weighting,markov_rank", [("dpace", 0), ("decay", 16), ("dpace", 16)])
-def test_loss_variants_on_cuda_equal_cpu(weighting, markov_rank):
-    """D-PACE weights and the Markov head inside the compiled fused CE on CUDA give the CPU loss and gradients
-    (fp32 weights, chunked). Fresh compile caches: earlier tests' graphs count toward the recompile limit."""
+def test_loss_variants_on_cuda_equal_cpu(weighting, markov_rank, impl):
+    """D-PACE weights and the Markov head inside the compiled fused CE (or the plain autograd path)
+    on CUDA give the CPU loss and gradients (fp32 weights, chunked). Fresh compile caches: earlier
+    tests' graphs count toward the recompile limit."""
     torch._dynamo.reset()
     configure_compile()
     torch.manual_seed(0)
@@ -116,8 +121,10 @@ def test_loss_variants_on_cuda_equal_cpu(weighting, markov_rank):
     anchors, keep = sample_anchors(lm, 32, torch.Generator().manual_seed(0))
     out = []
     for d, dev, backend in ((cpu, "cpu", "sdpa"), (gpu, "cuda", "flex")):
-        args = [t.to(dev) for t in (embed, head, ids, lm, hidden, anchors, keep)]
-        r = dflash_loss(d, *args, backend=backend, chunk_blocks=8, weighting=weighting)
+        e, h, *batch = [t.to(dev) for t in (embed, head, ids, lm, hidden, anchors, keep)]
+        opts = LossOptions(weighting=weighting, chunk_blocks=8, backend=backend,
+                           head_loss=fused.head_loss if impl == "fused" else None)
+        r = dflash_loss(d, Tables(e, h), LossBatch(*batch), opts)
         r["loss_sum"].backward()
         out.append((r["loss_sum"].item(), r["weight_sum"].item(), [p.grad.cpu() for p in d.parameters()]))
     assert out[1][0] == pytest.approx(out[0][0], rel=1e-4) and out[1][1] == pytest.approx(out[0][1], rel=1e-5)

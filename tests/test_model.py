@@ -198,8 +198,8 @@ def test_fused_equals_plain(weighting, markov_rank, fp8_head):
         tables = tables._replace(head_VD=fused.Float8Head(tables.head_VD))
     plain = LossOptions(weighting=weighting, chunk_blocks=3, alpha=0.4)
     rp, gp = _loss_and_grads(drafter, tables, batch, plain)
-    rf, gf = _loss_and_grads(drafter, tables, batch, dataclasses.replace(plain,
-                                                                          head_loss=fused.head_loss))
+    fused_opts = dataclasses.replace(plain, head_loss=fused.head_loss)
+    rf, gf = _loss_and_grads(drafter, tables, batch, fused_opts)
     torch.testing.assert_close(rf["loss_sum"], rp["loss_sum"], atol=1e-4, rtol=1e-5)
     for key in ("weight_sum", "correct_K", "count_K", "tau_sum", "blocks"):
         assert torch.equal(rf[key], rp[key]), key
@@ -251,9 +251,10 @@ def test_a_new_loss_through_the_plain_seam():
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_drafter_linears(recipe, tmp_path):
-    """to_float8: every drafter linear but the Markov head's becomes torchao's Float8Linear (emulated
-    on CPU); the loss moves by FP8 rounding only, the gradients keep their direction, the state dict
-    keeps its names, and the saved checkpoint loads as a plain drafter with the same weights."""
+    """to_float8: every drafter linear but the Markov head's becomes torchao's Float8Linear
+    (emulated on CPU); the loss moves by FP8 rounding only, the gradients keep their direction, the
+    state dict keeps its names, and the saved checkpoint loads as a plain drafter with the same
+    weights."""
     from torchao.float8.float8_linear import Float8Linear
     drafter, tables, batch = _loss_setup(4, markov_rank=16)
     ref, keys = copy.deepcopy(drafter), list(drafter.state_dict())
@@ -297,10 +298,10 @@ def test_fp8_lm_head(weighting):
 
 @pytest.mark.parametrize("dpace", [None, (4, 0.5)])
 def test_ce_chunk_fp8_gradient_scale_is_the_row_maximum(dpace):
-    """fused._ce_chunk's FP8 gradient takes each row's scale from the CE (w * (1 - p_label)), not from
-    a pass over the row: that is exactly the row's largest entry, so every row uses e4m3's whole
-    range and dequantizes to the exact gradient within e4m3's relative step; a row of weight 0
-    stays 0."""
+    """fused._ce_chunk's FP8 gradient takes each row's scale from the CE (w * (1 - p_label)), not
+    from a pass over the row: that is exactly the row's largest entry, so every row uses e4m3's
+    whole range and dequantizes to the exact gradient within e4m3's relative step; a row of
+    weight 0 stays 0."""
     torch.manual_seed(3)
     logits, labels = torch.randn(16, 40) * 4, torch.randint(0, 40, (16,))
     labels[:4] = logits[:4].argmax(-1)  # rows whose label is the likeliest token too

@@ -267,6 +267,7 @@ INVALID = [
     ("anchors", dict(num_anchors=0), "num_anchors"),
     ("gamma", dict(gamma=0.0), "gamma"),
     ("loss weighting", dict(loss_weighting="pace"), "loss_weighting"),
+    ("loss impl", dict(loss_impl="fast"), "loss_impl"),
     ("fp8 recipe", dict(fp8="e4m3"), "fp8"),
     ("dpace alpha 0", dict(dpace_alpha=0.0), "dpace_alpha"),
     ("dpace alpha nan", dict(dpace_alpha=float("nan")), "dpace_alpha"),

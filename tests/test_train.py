@@ -193,9 +193,11 @@ def test_torchrun_3_and_4_processes_and_topology_invariance(tiny_target, convs, 
 def test_dpace_normalization_is_split_invariant(tiny_target, convs, tmp_path):
     """--loss_weighting=dpace: its denominator (kept blocks) is summed over micro-batches and drafter ranks, so one
     process with 4 micro-batches and 2 data-parallel drafters with 2 each give the same step-1 loss and grad norm
-    (a rank-local denominator would not), and the loss differs from the decay objective's."""
+    (a rank-local denominator would not), and the loss differs from the decay objective's.
+    The 2 drafters run the plain loss (--loss_impl=plain), the single process the fused one."""
     runs = {}
-    for nproc, extra in ((1, ["--grad_accum=4"]), (4, ["--grad_accum=2", "--target_ranks=2", "--drafter_ranks=2"]),
+    split = ["--grad_accum=2", "--target_ranks=2", "--drafter_ranks=2", "--loss_impl=plain"]
+    for nproc, extra in ((1, ["--grad_accum=4"]), (4, split),
                          (0, ["--grad_accum=4", "--loss_weighting=decay"])):
         p, _ = run_train(tiny_target, convs, tmp_path / f"w{nproc}", max(nproc, 1), "--max_steps=1", *extra,
                          *(["--loss_weighting=dpace", "--dpace_alpha=0.4"] if nproc else []))
