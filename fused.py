@@ -85,13 +85,13 @@ class Float8Head:
     def logits_autograd(self, x_MD):
         """`logits` in torch autograd, for model.py's plain path: x rounded per row to e4m3 as
         `logits` rounds it, its gradient passing straight through (HeadCE's input gradient ignores
-        that rounding too), times the dequantized head, written in bf16 as torch._scaled_mm writes
-        it. Its backward differs from HeadCE's in HeadCE's e4m3 rounding of the logits' gradient
-        and of the head's copy scaled along V only."""
-        x8, s = _rows_fp8(x_MD.detach())
-        x_MD = x_MD + ((x8.float() * s).to(x_MD.dtype) - x_MD).detach()
-        w_VD = (self.w_VD.float() * self.s_V1).to(x_MD.dtype)
-        return (x_MD @ w_VD.t()).to(torch.bfloat16).to(x_MD.dtype)
+        that rounding too), times the e4m3 head (exact in bf16) and its row scales, written in
+        bf16 as torch._scaled_mm writes it. Its backward differs from HeadCE's only in HeadCE's e4m3
+        rounding of the logits' gradient and of the head's copy scaled along V."""
+        x8, s_M1 = _rows_fp8(x_MD.detach())
+        x_MD = x_MD + ((x8.float() * s_M1).to(x_MD.dtype) - x_MD).detach()
+        logits_MV = (x_MD @ self.w_VD.to(x_MD.dtype).t()) * self.s_V1.t()
+        return logits_MV.to(torch.bfloat16).to(x_MD.dtype)
 
 
 @dataclass(frozen=True)

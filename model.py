@@ -8,6 +8,8 @@ embedding and LM head are shared and frozen; they are not drafter weights.
 
 Reading order (bottom-up): helpers -> attention -> MLP -> layer -> config -> model -> checkpoint -> objective.
 Weight names match released checkpoints (z-lab, SpecForge, vLLM, SGLang), so saving is a plain state-dict write.
+The objective here is the plain one, in torch autograd: a new loss starts in `chunk_loss`.
+fused.py computes the same loss and gradients faster (train.py's default); tested equal.
 
 Test: python -m pytest -q tests/test_model.py
 """
@@ -387,7 +389,8 @@ class DFlashDrafter(nn.Module):
 def to_float8(drafter, recipe, emulate=False):
     """FP8 matmuls for the drafter's linears (torchao.float8: dynamic tensorwise or rowwise scales, e4m3 forward,
     gradients as the recipe says) where the sizes suit the FP8 kernels (multiples of 16). The weights keep their
-    dtype and names, so a checkpoint does not change. The Markov head is left alone: HeadCE does its matmuls.
+    dtype and names, so a checkpoint does not change.
+    The Markov head is left alone: fused.HeadCE uses its weights directly.
     emulate: FP8 rounding in ordinary matmuls, for CPU tests (no speedup)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     config = replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
