@@ -19,11 +19,13 @@ from torch.profiler import ProfilerActivity, profile
 
 import eval as ev
 from attention import build_masks, compile_count, configure_compile, dflash_block_mask, flex_compiled
-from data import demo_settings, load_tokenizer
+from data import demo_settings
 from fused import Float8Head, Head, HeadCE, HeadTask
-from model import (DFlashDrafter, DrafterConfig, Float8Frozen, LossBatch, Tables,
-                   build_target_layer_ids, dflash_loss, sample_anchors, target_to_float8, to_float8)
-from pipeline import Capture, GiB, fla_short_conv, memory_need
+from model import (DFlashDrafter, DrafterConfig, LossBatch, Tables, build_target_layer_ids,
+                   dflash_loss, sample_anchors, to_float8)
+from ranks import GiB, memory_need
+from target import (Capture, Float8Frozen, fla_short_conv, load_for_generation, load_tokenizer,
+                    target_to_float8)
 from train import Config, Optimizer, loss_options
 
 # Qwen3.6-27B text stack (3 Gated-DeltaNet + 1 gated full-attention layer, 16 times), shapes as we know them (checked)
@@ -227,13 +229,13 @@ def build_target(name, fla_conv=True):
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **conf), dtype=torch.bfloat16)
-    if fla_conv and fla_short_conv(model):  # as train.py's load_target
+    if fla_conv and fla_short_conv(model):  # as target.load_for_capture
         kernels += ", its short convolution too"
     return model.eval().requires_grad_(False), ids, shapes, kernels
 
 
 def truncate(decoder, keep):
-    """What load_target builds: the decoder up to the deepest captured layer, nothing after it. -> decoder."""
+    """What target.load_for_capture builds: the decoder up to the deepest captured layer."""
     decoder.layers, decoder.config.num_hidden_layers = decoder.layers[:keep], keep
     if getattr(decoder.config, "layer_types", None):
         decoder.config.layer_types = decoder.config.layer_types[:keep]
@@ -345,12 +347,12 @@ def bench_fp8_states(args):
     of the bf16 target, each against the fp32 target's, per captured layer; bf16's distance is the error bf16
     training already takes. Default: the demo's target (SmolLM2) on chitchat conversations. CPU or CUDA:
     torch._scaled_mm takes the same e4m3 operands on both."""
-    from data import default_cache_dir, load_target, read_conversations, tokenize_conversation, write_chitchat
+    from data import default_cache_dir, read_conversations, tokenize_conversation, write_chitchat
     dev, row = "cuda" if torch.cuda.is_available() else "cpu", table("fp8 target states")
     path = args.target or str(default_cache_dir() / "smollm2-135m-instruct")
     convs = read_conversations(args.data or write_chitchat(default_cache_dir())[0], skip_invalid=True)[0]
-    models = {dt: load_target(path, dev, getattr(torch, dt))[0].get_decoder() for dt in ("float32", "bfloat16")}
-    models["fp8"] = load_target(path, dev, torch.bfloat16)[0].get_decoder()
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.bfloat16}
+    models = {k: load_for_generation(path, dev, dt)[0].get_decoder() for k, dt in dtypes.items()}
     n8, L = target_to_float8(models["fp8"]), models["fp8"].config.num_hidden_layers
     ids = build_target_layer_ids(L, 5)
     caps, tok = {k: Capture(m, ids) for k, m in models.items()}, load_tokenizer(path)
@@ -441,10 +443,11 @@ def bench_decode(args):
 
 
 def bench_plan(args):
-    """The start-up estimate (pipeline.memory_need, as train.py --plan prints it) against the measured peak of
-    train.py's own pieces: --preset 27b, a drafter rank (drafter, train.Optimizer, dflash_loss on full-length target
-    states) at each --seq; --preset smol, the demo colocated on one GPU (data.demo_settings' cuda settings). One
-    setting per process: compiled layers of another shape in the same process would recompile as dynamic."""
+    """The start-up estimate (ranks.memory_need, as train.py --plan prints it) against the measured
+    peak of train.py's own pieces: --preset 27b, a drafter rank (drafter, train.Optimizer,
+    dflash_loss on full-length target states) at each --seq; --preset smol, the demo colocated on
+    one GPU (data.demo_settings' cuda settings). One setting per process: compiled layers of
+    another shape in the same process would recompile as dynamic."""
     from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
     configure_compile()
     row, gen = table("plan: estimate vs measured peak"), torch.Generator("cuda").manual_seed(0)
@@ -533,7 +536,8 @@ def main(argv=None):
                        ("--profile", "drafter, target"), ("--no-fla", "27b: transformers' torch fallback kernels"),
                        ("--torch-conv", "target 27b: the short convolution in transformers' torch path, fla elsewhere"),
                        ("--fp8_head", "drafter, e2e: the LM head's matmuls in FP8 (fused)"),
-                       ("--target_fp8", "target, e2e: the target's linears in FP8 (model.Float8Frozen)")):
+                       ("--target_fp8",
+                        "target, e2e: the target's linears in FP8 (target.Float8Frozen)")):
         ap.add_argument(flag, action="store_true", help=help)
     args = ap.parse_args(argv)
     try:

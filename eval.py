@@ -25,17 +25,13 @@ import data
 from attention import NO_CUDNN
 from checkpoint import list_ckpts
 from model import load_drafter
+from target import convert_gguf, features, load_for_generation, load_tokenizer
 
 TIME_KEYS = ("prefill", "draft", "verify", "other", "plain_prefill", "plain_step")
 
 
 class LosslessError(RuntimeError):
     """Greedy speculative output differs from greedy target output in fp32: a bug, never a statistic."""
-
-
-def features(hidden_states, layer_ids):
-    """HF hidden_states (0 = embeddings) -> [B, T, nK*D]: id k is the OUTPUT of decoder layer k, hidden_states[k+1]."""
-    return torch.cat([hidden_states[k + 1] for k in layer_ids], dim=-1)
 
 
 def pick(logits, temperature, generator=None):
@@ -289,7 +285,7 @@ def _worker(k, n, target_path, drafter_path, prompts, device, dtype, kw, out_dir
     """Worker k of n: its own target and drafter, prompts k::n, results written to out_dir/k.json."""
     if torch.device(device).type == "cpu":  # share the cores instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
-    target, tok = data.load_target(target_path, device, dtype)
+    target, tok = load_for_generation(target_path, device, dtype)
     drafter = load_drafter(drafter_path, device, next(target.parameters()).dtype) if drafter_path else None
     t0 = time.time()  # wall clock, comparable across processes: the decoding phase spans all workers' intervals
     res = evaluate(target, tok, drafter, prompts[k::n], indices=range(k, len(prompts), n), **kw)
@@ -302,7 +298,7 @@ def evaluate_parallel(target_path, drafter_path, prompts, workers, device="cpu",
     Speeds: spec_tok_s of one stream under contention, aggregate_spec_tok_s of all. A failing worker fails the call."""
     n, t0 = min(workers, len(prompts)), time.time()
     if str(target_path).endswith(".gguf"):  # convert once, here: N workers converting into one folder would race
-        target_path = data.convert_gguf(target_path)
+        target_path = convert_gguf(target_path)
     with tempfile.TemporaryDirectory() as tmp:
         data.spawn_workers(_worker, n, (n, target_path, drafter_path, prompts, device, dtype, kw, tmp),
                            keep=(LosslessError,))
@@ -701,10 +697,11 @@ def main(argv=None):
     keys = data.training_prompt_keys(a.train_data) if a.train_data else None
     dtype = getattr(torch, a.dtype) if a.dtype else None
     kw = {k: getattr(a, k) for k in ("max_new_tokens", "temperature", "block_size", "check_lossless", "seed")}
-    target = functools.cache(lambda: data.load_target(a.target, a.device, dtype))  # one target for every checkpoint
+    # one target for every checkpoint
+    target = functools.cache(lambda: load_for_generation(a.target, a.device, dtype))
     gguf = str(a.target).endswith(".gguf")
     tokenizer = functools.cache(  # --bench renders and decodes turns in this process
-        lambda: data.load_tokenizer(data.convert_gguf(a.target) if gguf else a.target))
+        lambda: load_tokenizer(convert_gguf(a.target) if gguf else a.target))
 
     def decode(drafter_path, ps, **override):  # ps: message lists or token ids
         if a.workers > 1:

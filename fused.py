@@ -17,7 +17,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from model import E4M3_MAX, _rows_fp8, dpace_weights
+from model import dpace_weights
+
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+def _rows_fp8(x):
+    """x in e4m3 with one fp32 scale per row (x ~ x8 * scale): the operand form of
+    torch._scaled_mm's rowwise mode (also the FP8 target's, target.Float8Frozen)."""
+    scale = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / E4M3_MAX
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale
 
 
 def _ce_chunk(logits_MV, labels_M, w_M, dpace=None, fp8=False):

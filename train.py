@@ -2,7 +2,8 @@
 
 Roles: target ranks hold the frozen target (FSDP2 over the node's target ranks, or replicated), prefill each sequence
 and capture the hidden states at `target_layer_ids`; drafter ranks train the drafter data-parallel. Hidden states flow
-target -> drafter over point-to-point sends (pipeline.py); one process (one GPU, or CPU) holds both roles.
+target -> drafter over point-to-point sends (ranks.py); one process (one GPU, or CPU) holds both
+roles. The target itself is target.py; how it is sharded, `shard_target` here.
 
     bash launch.sh                                   # picks the demo or the real recipe for this machine
     torchrun --nproc_per_node 8 train.py --target=/models/Qwen3.6-27B --data=train.jsonl
@@ -10,7 +11,7 @@ target -> drafter over point-to-point sends (pipeline.py); one process (one GPU,
     python -m pytest -q tests/test_train.py
 
 Reading order: Config (edit the defaults, or pass --field=value), the schedule and optimizer, train() and its loop,
-main(); below the ruler the plumbing: config parsing and checks, loading the data and the target.
+main(); below the ruler: config parsing and checks, loading the data, sharding the target.
 """
 
 import importlib.util
@@ -22,6 +23,7 @@ import time
 import traceback
 import dataclasses
 from dataclasses import dataclass, fields
+from functools import partial
 
 import numpy as np
 import torch
@@ -32,12 +34,11 @@ from checkpoint import (list_ckpts, lock_run_dir, log_line, log_skipped, open_ru
                         resume_point, save_checkpoint, warn_config_changes, write_done, write_run_info)
 from fused import Float8Head, head_loss as fused_head_loss
 from model import (DFlashDrafter, DrafterConfig, LossBatch, LossOptions, Tables, dflash_loss,
-                   drafter_config_from_target, load_drafter, sample_anchors, target_to_float8,
-                   to_float8)
-from pipeline import (USABLE, Capture, Colocated, Receiver, assign_roles, drafter_schedule, fill_target, fla_short_conv,
-                      frozen_tables, largest_anchors, memory_check, on_gpu, per_step, placement_table, reduce_stats,
-                      report_failure, role_of, run_target, setup_dist, target_decoder, teardown_dist, torchrun_env,
-                      watch_for_death)
+                   drafter_config_from_target, load_drafter, sample_anchors, to_float8)
+from ranks import (USABLE, Colocated, Receiver, assign_roles, drafter_schedule, largest_anchors,
+                   memory_check, on_gpu, per_step, placement_table, reduce_stats, report_failure,
+                   role_of, run_target, setup_dist, teardown_dist, torchrun_env, watch_for_death)
+from target import frozen_tables, load_for_capture, read_target
 
 
 @dataclass(frozen=True)
@@ -86,8 +87,9 @@ class Config:
     compile: bool = True  # CUDA: compile each drafter layer (flex inside); False = eager layers, flex compiled
     fp8: str = ""  # "" = bf16 matmuls | tensorwise | rowwise: FP8 drafter linears (model.to_float8, torchao)
     fp8_head: bool = False  # the LM head's matmuls (logits, input grad) in FP8 (fused.Float8Head)
-    # the frozen target's linears in FP8 for its forward (model.Float8Frozen); unsharded. Off: its states sit 6-7x
-    # further from fp32 than bf16's (BENCHMARKS.md); on: training for a target served in FP8
+    # the frozen target's linears in FP8 for its forward (target.Float8Frozen); unsharded. Off: its
+    # states sit 6-7x further from fp32 than bf16's (BENCHMARKS.md); on: training for a target
+    # served in FP8
     target_fp8: bool = False
     prefetch: int = 2  # micro-batches a target rank may have in flight to its drafters
     transport_timeout: int = 900  # seconds before a blocked collective or transfer fails the job
@@ -193,7 +195,11 @@ def train(cfg, d, target_config, tokenizer):
               f"steps of {P} micro-batches x {cfg.batch_size}" + (f"; resuming at step {start}" if state else ""),
               flush=True)
         warn_config_changes(cfg, state)
-    capture = Capture(load_target(cfg, dcfg, d), dcfg.target_layer_ids) if d.is_target else None
+    capture = None
+    if d.is_target:
+        shard = partial(shard_target, mesh=d.target_mesh)
+        capture = load_for_capture(cfg.target, dcfg.target_layer_ids, getattr(torch, cfg.dtype),
+                                   d.device, shard, cfg.target_fp8, verbose=d.rank == d.targets[0])
     if not d.is_drafter:
         return run_target(cfg, d, batcher, capture, start, total)
 
@@ -303,7 +309,7 @@ def main(cfg):
         return
     env = torchrun_env()
     try:  # a config error is a message naming the field and exit 1, before any process group or GPU memory
-        target_config, tokenizer = read_target(cfg)
+        target_config, tokenizer = read_target(cfg.target)
         validate(cfg, env.world, target_config, tokenizer, env.local_world)
     except ValueError as e:
         report_failure(f"[rank {env.rank}] {e}")
@@ -325,7 +331,7 @@ def main(cfg):
         teardown_dist(d)
 
 
-# ============================================================================= plumbing: config, data, target
+# ================================================================= plumbing: config, data, sharding
 def parse_config(argv):
     """--field=value overrides, parsed against the field types; a preset applies first. Unknown key: error."""
     kv = {}
@@ -486,19 +492,6 @@ def validate(cfg, world, target_config, tokenizer, local_world=None, device_gib=
         raise ValueError("invalid config:\n  " + "\n  ".join(errs))
 
 
-def read_target(cfg):
-    """The target's config and tokenizer (no weights): what validation needs. An unreadable target is a config error."""
-    from transformers import AutoConfig, AutoTokenizer
-    try:
-        return (AutoConfig.from_pretrained(cfg.target, trust_remote_code=False),
-                AutoTokenizer.from_pretrained(cfg.target, trust_remote_code=False))
-    except (OSError, ValueError) as e:
-        why = ("it needs custom code (trust_remote_code), which this trainer never runs" if "custom code" in str(e)
-               else f"{type(e).__name__}: {str(e).splitlines()[0]}")
-        raise ValueError(f"invalid config:\n  target: cannot read a model config and tokenizer from {cfg.target!r} "
-                         f"({why})") from None
-
-
 def plan(cfg):
     """--plan=NODESxGPUS[:GiB]: the placement, each role's memory per GPU from the target's config.json alone (no
     weights, tokenizer or GPU), and the largest num_anchors that fits per max_length on GiB GPUs (default 80, 141)."""
@@ -566,26 +559,15 @@ def load_data(cfg, d, tokenizer, mask_id):
                    pad_multiple=cfg.pad_multiple)
 
 
-def load_target(cfg, dcfg, d):
-    """The frozen target on this rank, up to the deepest captured layer: built on the meta device, sharded with FSDP2
-    on the target mesh (resharded after every forward, as inference wants) or replicated, filled with its shard only."""
-    t0 = time.time()
-    base = target_decoder(cfg.target, max(dcfg.target_layer_ids) + 1, getattr(torch, cfg.dtype))
-    if d.target_mesh is not None:
+def shard_target(decoder, mesh):
+    """How the frozen target is parallelized (what it is: target.py): FSDP2 on the node's target
+    mesh, each decoder layer then the root, resharded after every forward as inference wants;
+    mesh None (colocated, or target_shard=replicate): a whole copy on every target rank."""
+    if mesh is not None:
         from torch.distributed.fsdp import fully_shard
-        for module in [*base.layers, base]:  # each decoder layer, then the root
-            fully_shard(module, mesh=d.target_mesh, reshard_after_forward=True)
-    fill_target(base, cfg.target, d.device, getattr(torch, cfg.dtype), d.target_mesh, verbose=d.rank == d.targets[0])
-    n8 = target_to_float8(base) if cfg.target_fp8 else 0  # the loaded bf16 weights give way to their FP8 copies
-    fla = fla_short_conv(base)  # Gated-DeltaNet's short convolution in fla's Triton kernel, if installed
-    if d.rank == d.targets[0]:
-        import resource  # peak host memory of this process so far: loading reads one tensor at a time
-        print(f"target loaded ({'colocated' if d.world == 1 else cfg.target_shard}"
-              f"{f', {n8} linears in FP8' if n8 else ''}{', short convolution in fla' if fla else ''}) in "
-              f"{time.time() - t0:.1f}s, peak "
-              f"host RSS of rank {d.rank} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB",
-              flush=True)
-    return base
+        for module in [*decoder.layers, decoder]:
+            fully_shard(module, mesh=mesh, reshard_after_forward=True)
+    return decoder
 
 
 if __name__ == "__main__":

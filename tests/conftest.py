@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import data
+import target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +24,7 @@ def tiny_target(tmp_path_factory):
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
     smol = data.default_cache_dir() / "smollm2-135m-instruct"  # only its tokenizer is used
     if not (smol / "tokenizer.json").exists():
-        smol = data.convert_gguf(data.smollm2_gguf(), smol)
+        smol = target.convert_gguf(target.smollm2_gguf(), smol)
     out = tmp_path_factory.mktemp("tiny_target")
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6,

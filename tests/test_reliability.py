@@ -23,7 +23,7 @@ import torch
 
 import checkpoint
 import train
-from pipeline import Dist
+from ranks import Dist
 from conftest import ROOT, run_train
 
 SPLIT = ("--target_ranks=2", "--drafter_ranks=1")
@@ -570,17 +570,18 @@ def test_mask_token_the_data_uses_is_refused(tiny_target, convs, tmp_path):
 def test_memory_estimate_refuses_what_cannot_fit_and_names_the_largest_num_anchors(valid, target_meta):
     """On a stated device size between the estimates for 4 and 8 anchors: 8 is refused, the message names the
     largest num_anchors that fits, which the estimate confirms (it fits, one more does not)."""
-    import pipeline
+    import ranks
     cfg = train.Config(**valid)
     tc, tok = target_meta
     dcfg = train.drafter_cfg(cfg, tc, tok)
-    need = {n: sum(pipeline.memory_estimate(cfg, dcfg, tc, 2, n)["drafter"].values()) for n in (4, 8)}
+    need = {n: sum(ranks.memory_estimate(cfg, dcfg, tc, 2, n)["drafter"].values()) for n in (4, 8)}
     device = (need[4] + need[8]) / 2 / 0.95
     with pytest.raises(ValueError, match=r"num_anchors=8: a drafter rank needs ~") as e:
         train.validate(train.Config(**valid), 3, tc, tok, device_gib=device)
     fit = int(str(e.value).rsplit("the largest num_anchors that fits is ", 1)[1].split()[0])
     assert 4 <= fit < 8
-    drafter = lambda n: sum(pipeline.memory_estimate(cfg, dcfg, tc, 2, n)["drafter"].values())  # noqa: E731
+    def drafter(n):
+        return sum(ranks.memory_estimate(cfg, dcfg, tc, 2, n)["drafter"].values())
     assert drafter(fit) <= 0.95 * device < drafter(fit + 1)
     train.validate(train.Config(**{**valid, "num_anchors": fit}), 3, tc, tok, device_gib=device)
 
@@ -589,18 +590,19 @@ def test_plan_prints_each_roles_memory_and_the_largest_num_anchors_per_length(va
     """--plan, from the target's config alone: the memory lines of the start-up check, and per max_length the
     largest num_anchors that fits a GPU of the stated size, which the start-up check confirms (it passes, one more
     is refused). The size lies between the estimates for 4 and 8 anchors at the configured max_length."""
-    import pipeline
+    import ranks
     cfg = train.Config(**valid)
     tc, tok = target_meta
     dcfg = train.drafter_cfg(cfg, tc, tok)
-    gib = sum(max(pipeline.memory_need(cfg, dcfg, tc, 3, n).values()) for n in (4, 8)) / 2 / 0.95
+    gib = sum(max(ranks.memory_need(cfg, dcfg, tc, 3, n).values()) for n in (4, 8)) / 2 / 0.95
     train.main(train.Config(**{**valid, "plan": f"1x3:{gib}"}))
     out = capsys.readouterr().out
     assert "  target rank: " in out and "  drafter rank: " in out and "LM-head chunk" in out
     row = next(x for x in out.splitlines() if x.startswith(f"  max_length={cfg.max_length}: "))
     fit = int(row.split(": ")[1].split()[0])
     assert 4 <= fit < 8
-    check = lambda n: pipeline.memory_check(train.Config(**{**valid, "num_anchors": n}), dcfg, tc, 3, gib)[1]
+    def check(n):
+        return ranks.memory_check(train.Config(**{**valid, "num_anchors": n}), dcfg, tc, 3, gib)[1]
     assert check(fit) == [] and check(fit + 1)
     with pytest.raises(SystemExit, match="--plan needs the target's config.json"):
         train.main(train.Config(**{**valid, "plan": "1x8", "target": str(valid["out_dir"])}))

@@ -11,7 +11,7 @@ import torch
 import train
 from conftest import free_port, run_train
 from model import build_target_layer_ids
-from pipeline import Capture
+from target import load_for_capture
 
 
 def metrics(out):
@@ -59,7 +59,7 @@ def test_lr_schedule():
 def test_schedule_is_lazy_up_to_the_largest_max_steps():
     """The per-rank schedule is a generator: max_steps at its limit costs no memory up front (a list would not fit)."""
     from types import SimpleNamespace
-    from pipeline import drafter_schedule
+    from ranks import drafter_schedule
     d = SimpleNamespace(drafters=[1, 2, 3], rank=2)  # the second of 3 drafter ranks, 2 micro-batches each per step
     it = drafter_schedule(d, 2, 5, train.MAX_STEPS)
     assert [next(it) for _ in range(4)] == [31, 34, 37, 40]  # steps 5, 6: 6 micro-batches a step, every 3rd from 1
@@ -76,7 +76,8 @@ def _capture_check(rank, world, port, tiny_target, ids, ref, shard):
                          num_key_value_heads=2, head_dim=16, vocab_size=49152, mask_token_id=16,
                          target_layer_ids=[0, 2, 3], num_target_layers=6)
     if d.is_target:
-        cap = Capture(train.load_target(cfg, dcfg, d), dcfg.target_layer_ids)
+        cap = load_for_capture(cfg.target, dcfg.target_layer_ids, torch.float32, d.device,
+                               lambda dec: train.shard_target(dec, d.target_mesh))
         got = cap(ids)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
         if shard == "fsdp":  # really sharded: this rank holds only its chunk of each weight
@@ -103,24 +104,18 @@ def test_capture_matches_output_hidden_states(tiny_target, world, shard):
 
 
 def test_target_fp8_captures_within_fp8_rounding(tiny_target):
-    """--target_fp8: every linear of the loaded layers becomes model.Float8Frozen (e4m3 weights scaled per output
-    row, activations per row; torch._scaled_mm rounds for real on CPU too), and the captured states stay within
-    FP8's rounding of the bf16 target's, far from unrelated states. Whether tau keeps is a GPU measurement."""
-    from model import DrafterConfig, Float8Frozen
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1")
-    dcfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, vocab_size=49152, mask_token_id=16,
-                         target_layer_ids=[0, 2, 3], num_target_layers=6)
+    """--target_fp8: every linear of the loaded layers becomes target.Float8Frozen (e4m3 weights
+    scaled per output row, activations per row; torch._scaled_mm rounds for real on CPU too), and
+    the captured states stay within FP8's rounding of the bf16 target's, far from unrelated states.
+    Whether tau keeps is a GPU measurement."""
+    from target import Float8Frozen
     ids, got = torch.randint(0, 49152, (2, 20)), {}
     for fp8 in (False, True):
-        cfg = train.Config(target=str(tiny_target), device="cpu", target_ranks=1, drafter_ranks=1, target_fp8=fp8,
-                           mask_token="<empty_output>", drafter_layers=2, target_features=3, sliding_layers=0)
-        d = train.setup_dist(cfg, train.torchrun_env())
-        base = train.load_target(cfg, dcfg, d)
-        kinds = {type(m) for m in base.layers.modules() if isinstance(m, (torch.nn.Linear, Float8Frozen))}
+        cap = load_for_capture(str(tiny_target), [0, 2, 3], torch.bfloat16, "cpu", fp8=fp8)
+        linears = (torch.nn.Linear, Float8Frozen)
+        kinds = {type(m) for m in cap.base.layers.modules() if isinstance(m, linears)}
         assert kinds == ({Float8Frozen} if fp8 else {torch.nn.Linear})
-        got[fp8] = Capture(base, dcfg.target_layer_ids)(ids).float()
-        train.teardown_dist(d)
+        got[fp8] = cap(ids).float()
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()
     # e4m3 keeps 3 mantissa bits: ~5% per matmul; measured on this target, whose random weights (std 0.2) amplify
     # it: layer 0 ~11%, layer 3 ~15% (bf16 alone: 1-2% against fp32)
@@ -139,13 +134,14 @@ def tiny_gated_deltanet(seed=0):
 
 
 def test_fla_short_conv_keeps_the_gated_deltanet_layer(monkeypatch, tiny_target):
-    """pipeline.fla_short_conv points the Gated-DeltaNet layers' short convolution at a kernel with fla's layout
-    (x [B, T, D], weight [D, W], SiLU fused), here a stand-in written to that contract, on CPU: the decoder's output
-    stays the reference path's, the stand-in ran in every such layer, a second call patches nothing, and a decoder
-    without such layers is left alone. On the GPU, tests/test_gpu.py runs fla's own kernel."""
+    """target.fla_short_conv points the Gated-DeltaNet layers' short convolution at a kernel with
+    fla's layout (x [B, T, D], weight [D, W], SiLU fused), here a stand-in written to that contract,
+    on CPU: the decoder's output stays the reference path's, the stand-in ran in every such layer, a
+    second call patches nothing, and a decoder without such layers is left alone. On the GPU,
+    tests/test_gpu.py runs fla's own kernel."""
     import sys
     import torch.nn.functional as F
-    from pipeline import fla_short_conv
+    from target import fla_short_conv
     dec, ids, calls = tiny_gated_deltanet(), torch.randint(0, 256, (2, 37)), []
     module = sys.modules[type(dec.layers[0].linear_attn).__module__]
     monkeypatch.setattr(module, "causal_conv1d_fn", module.causal_conv1d_fn)  # restored after the test

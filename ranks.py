@@ -1,11 +1,11 @@
-"""Everything that knows about ranks: roles and process groups (`assign_roles`, `setup_dist` -> a frozen `Dist`), the
-frozen target (`target_decoder` builds it on the meta device up to the deepest captured layer; `fill_target` reads the
-checkpoint one tensor at a time into this rank's FSDP2 shard; `Capture` returns the hidden states), and the static
-schedule by which they travel: micro-batch m (a global counter) belongs to optimizer step m // (drafters * grad_accum),
-and `route` names the target rank that prefills it and the drafter rank that trains on it. Every rank walks its
-micro-batches in increasing m, so the lowest outstanding transfer can always proceed and nobody needs a coordinator.
-`run_target` is a target rank's whole life, `Receiver` the drafter's end of the transfer, `Colocated` both in one
-process. How the target is sharded is train.py's `load_target`.
+"""Everything that knows about ranks: roles and process groups (`assign_roles`, `setup_dist` -> a frozen
+`Dist`), failure notes for torchrun's summary, the placement table and the memory plan per GPU, and the static
+schedule by which hidden states travel from target ranks to drafter ranks: micro-batch m (a global counter) belongs
+to optimizer step m // (drafters * grad_accum), and `route` names the target rank that prefills it and the drafter
+rank that trains on it. Every rank walks its micro-batches in increasing m, so the lowest outstanding transfer can
+always proceed and nobody needs a coordinator. `run_target` is a target rank's whole life, `Receiver` the drafter's
+end of the transfer, `Colocated` both in one process. The target itself is target.py; how it is sharded, train.py's
+`shard_target`.
 
 Test: python -m pytest -q tests/test_train.py tests/test_multinode.py
 """
@@ -265,126 +265,6 @@ def memory_check(cfg, dcfg, target_config, world, device_gib=None):
     return lines, [f"num_anchors={cfg.num_anchors}: a {r} rank needs ~{x:.1f} GiB at max_length={cfg.max_length}, "
                    f"batch_size={cfg.batch_size} (a device here has {device_gib:.1f} GiB, {usable:.1f} usable); {fit}"
                    for r, x in over.items()]
-
-
-# ----------------------------------------------------------------------------- building and loading
-class Weights:
-    """Tensors of an HF checkpoint folder, read one at a time (never the whole model in host memory)."""
-
-    def __init__(self, path):
-        from safetensors import safe_open
-        idx = os.path.join(path, "model.safetensors.index.json")  # a sharded checkpoint names its files there
-        names = json.load(open(idx))["weight_map"].values() if os.path.exists(idx) else ["model.safetensors"]
-        handles = [safe_open(os.path.join(path, name), "pt") for name in sorted(set(names))]
-        self.where = {k: h for h in handles for k in h.keys()}  # tensor name -> the open file holding it
-
-    def get(self, key):
-        """A text-model tensor, in whatever spelling the checkpoint uses (VLMs nest it under model.language_model)."""
-        for name in (key, key.replace("model.", "model.language_model.", 1), key.replace("model.", "", 1)):
-            if name in self.where:
-                return self.where[name].get_tensor(name)
-        raise KeyError(f"tensor {key!r} not found in the target checkpoint")
-
-
-def target_decoder(path, n_layers, dtype):
-    """The target's decoder with its first n_layers only, on the meta device, frozen, in eval mode."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    tc = AutoConfig.from_pretrained(path, trust_remote_code=False).get_text_config()
-    tc.num_hidden_layers = n_layers
-    if getattr(tc, "layer_types", None):
-        tc.layer_types = tc.layer_types[:n_layers]
-    with torch.device("meta"):
-        base = AutoModelForCausalLM.from_config(tc, dtype=dtype).get_decoder()  # no lm_head
-    return base.requires_grad_(False).eval()
-
-
-def fla_short_conv(decoder, conv=None, device_type="cuda"):
-    """Gated-DeltaNet layers (Qwen3.5/3.6, Qwen3-Next) run their short causal convolution through transformers'
-    reference path, a depthwise F.conv1d and then SiLU over [B, D, T], unless the CUDA-built causal-conv1d package is
-    installed. flash-linear-attention ships a Triton kernel for the same convolution with the SiLU fused (its layout:
-    x [B, T, D], weight [D, W]): point those layers' modeling module at it, for CUDA tensors only (CPU tensors, packed
-    sequences and other activations keep the reference path). conv, device_type: a stand-in with fla's signature
-    and the device type it serves (tests).
-    -> the names of the modules patched; none without such layers, or without fla, or with causal-conv1d."""
-    import importlib.util
-    mods = {sys.modules[type(m).__module__] for m in decoder.modules() if hasattr(m, "conv1d")}
-    mods = [m for m in mods if callable(getattr(m, "causal_conv1d_fn", None))
-            and not getattr(m.causal_conv1d_fn, "fla_short_conv", False)]
-    if not mods or (conv is None and importlib.util.find_spec("causal_conv1d") is not None):
-        return []
-    if conv is None:
-        try:
-            from fla.modules.causal_conv1d import causal_conv1d as conv
-        except ImportError:
-            return []
-    for mod in mods:
-        def short_conv(x_BDT, weight, bias=None, activation=None, _reference=mod.causal_conv1d_fn, **kw):
-            if x_BDT.device.type != device_type or activation not in (None, "silu", "swish") \
-                    or kw.get("seq_idx") is not None or kw.get("cu_seqlens") is not None:
-                return _reference(x_BDT, weight, bias, activation=activation, **kw)
-            return conv(x_BDT.transpose(1, 2), weight, bias, activation=activation)[0].transpose(1, 2)
-        short_conv.fla_short_conv = True
-        mod.causal_conv1d_fn = short_conv
-    return sorted(m.__name__ for m in mods)
-
-
-def fill_target(base, path, device, dtype, mesh=None, verbose=False):
-    """Materialize `base` (already sharded, or not) on `device` and copy in the checkpoint, this rank's shard only."""
-    base.to_empty(device=device)
-    w, t0, params = Weights(path), time.time(), dict(base.named_parameters())
-    for i, (name, p) in enumerate(params.items()):
-        full = w.get("model." + name).to(dtype)
-        if hasattr(p, "to_local"):  # FSDP2 DTensor: this mesh rank's dim-0 chunk, as fully_shard splits it
-            chunks, r = torch.chunk(full, mesh.size(), dim=0), mesh.get_local_rank()
-            p.to_local().copy_(chunks[r] if r < len(chunks) else full[:0])
-        else:
-            p.data.copy_(full)
-        if verbose and (i + 1) % max(1, len(params) // 5) == 0:
-            print(f"  target weights {i + 1}/{len(params)} ({time.time() - t0:.0f}s)", flush=True)
-    for mname, mod in base.named_modules():
-        for bname, buf in mod._buffers.items():
-            if buf is not None and bname not in mod._non_persistent_buffers_set:
-                buf.copy_(w.get("model." + (f"{mname}.{bname}" if mname else bname)))
-        # to_empty leaves non-persistent buffers (rotary inv_freq) uninitialized: they are copied from a fresh module
-        # built from its own config (fp32, CPU); a module without a config is an error, never garbage
-        names = [b for b in mod._non_persistent_buffers_set if mod._buffers.get(b) is not None]
-        if names and not hasattr(mod, "config"):
-            raise RuntimeError(f"cannot initialize non-persistent buffers {names} of {mname} ({type(mod).__name__})")
-        if names:
-            fresh = type(mod)(config=mod.config)
-            for b in names:
-                mod._buffers[b].copy_(fresh._buffers[b])
-    return base
-
-
-def frozen_tables(path, dtype, device):
-    """Only the embedding and LM head from the target checkpoint (a tied target reuses the embedding)."""
-    w = Weights(path)
-    embed = w.get("model.embed_tokens.weight")
-    head = w.get("lm_head.weight") if "lm_head.weight" in w.where else embed
-    return embed.to(device, dtype), head.to(device, dtype)
-
-
-class Capture:
-    """Forward hooks on the decoder layers in layer_ids: id k is the OUTPUT of decoder layer k, which is HF
-    output_hidden_states[k+1]; the raw residual stream, no final norm; concatenated in id order."""
-
-    def __init__(self, base, layer_ids):
-        self.base, self.ids, self.out = base, list(layer_ids), {}
-        self.layer_id = {base.layers[i]: i for i in set(self.ids)}
-        for layer in self.layer_id:
-            layer.register_forward_hook(self._hook)
-
-    def _hook(self, layer, args, output):
-        self.out[self.layer_id[layer]] = output[0] if isinstance(output, tuple) else output
-
-    @torch.no_grad()
-    def __call__(self, input_ids_BS):
-        # right padding + causal attention: real tokens never see pads, so no attention mask is needed
-        self.base(input_ids=input_ids_BS, use_cache=False)
-        h = torch.cat([self.out[i] for i in self.ids], dim=-1)  # [B, S, K*D]
-        self.out.clear()
-        return h
 
 
 # ----------------------------------------------------------------------------- the static schedule
