@@ -371,6 +371,7 @@ def _each(names, ok, message):
 
 
 INF, MAX_STEPS, DAY = float("inf"), 10 ** 9, 86_400
+PLAN_FORMAT = "must be NODESxGPUS[:GiB], e.g. 1x8:80 (NODES in [1, 512], GPUS in [1, 64], GiB in (0, 4096])"
 # (field, check(cfg, target text config), message): every failing row is reported, naming its field. Numbers are
 # checked against ranges, so nan and inf fail too. A 4th element: the fields a row compares with; it is skipped when
 # one of them failed. SHAPE: the fields the drafter config is derived from (deriving it is skipped when one fails).
@@ -396,7 +397,8 @@ RULES = SHAPE + [
      ["block_size"]),
     ("num_anchors", lambda c, t: 1 <= c.num_anchors <= c.max_length,
      "must be in [1, max_length] (a sequence has no more anchor positions)", ["max_length"]),
-    *_each(["pad_multiple"], lambda x: 1 <= x <= 2 ** 20, "must be in [1, 2^20]"),
+    # a bucket longer than every sequence pads each batch past max_length: the whole step grows with it
+    ("pad_multiple", lambda c, t: 1 <= c.pad_multiple <= c.max_length, "must be in [1, max_length]", ["max_length"]),
     *_each(["batch_size", "grad_accum", "log_every", "ckpt_every", "keep_ckpts", "max_bad_steps"],
            lambda x: 1 <= x <= 2 ** 31, "must be in [1, 2^31]"),
     *_each(["prefetch"], lambda x: 1 <= x <= 64, "must be in [1, 64] (micro-batches held in flight)"),
@@ -413,7 +415,9 @@ RULES = SHAPE + [
     ("loss_weighting", lambda c, t: c.loss_weighting in ("decay", "dpace"), "must be decay or dpace"),
     ("loss_impl", lambda c, t: c.loss_impl in ("fused", "plain"), "must be fused or plain"),
     *_each(["dpace_alpha"], lambda x: 0 < x <= 1, "must be in (0, 1]"),
-    *_each(["markov_rank"], lambda x: 0 <= x <= 4096, "must be in [0, 4096] (0: no Markov head)"),
+    # a low-rank head (V x r, r x V) past rank V is no longer low-rank: it only costs memory and time
+    ("markov_rank", lambda c, t: 0 <= c.markov_rank <= min(4096, t.vocab_size),
+     "must be in [0, min(4096, the target vocabulary {t.vocab_size})] (0: no Markov head)"),
     ("target_shard", lambda c, t: c.target_shard in ("fsdp", "replicate"), "must be fsdp or replicate"),
     ("fp8", lambda c, t: c.fp8 in ("", "tensorwise", "rowwise"), "must be '', tensorwise or rowwise"),
     ("fp8", lambda c, t: not c.fp8 or importlib.util.find_spec("torchao"), "needs torchao (requirements.txt)"),
@@ -432,6 +436,7 @@ RULES = SHAPE + [
     ("out_dir", lambda c, t: os.access(_existing_parent(c.out_dir), os.W_OK), "is not writable"),
     ("resume", lambda c, t: c.resume in ("", "auto") or os.path.isfile(os.path.join(c.resume, "train_state.pt")),
      "holds no train_state.pt"),
+    ("plan", lambda c, t: not c.plan or _plan_shape(c.plan), PLAN_FORMAT),
 ]
 
 
@@ -445,6 +450,21 @@ def _plain(name):
 
 def _inside(path, root):
     return os.path.realpath(path).startswith(os.path.realpath(root) + os.sep) or not os.path.lexists(path)
+
+
+def _plan_shape(text):
+    """"NODESxGPUS[:GiB]" -> (nodes, gpus, GiB or None); None for anything else. Bounded: the placement table's
+    routing grows with the square of the world size (512 nodes of 8: ~15 s)."""
+    shape, colon, gib = text.partition(":")
+    nodes, x, gpus = shape.lower().partition("x")
+    if not (x and nodes.isascii() and nodes.isdigit() and gpus.isascii() and gpus.isdigit()):
+        return None
+    try:
+        size = float(gib) if colon else None
+    except ValueError:
+        return None
+    ok = 1 <= int(nodes) <= 512 and 1 <= int(gpus) <= 64 and (size is None or 0 < size <= 4096)
+    return (int(nodes), int(gpus), size) if ok else None
 
 
 def _existing_parent(path):
@@ -496,9 +516,14 @@ def plan(cfg):
     """--plan=NODESxGPUS[:GiB]: the placement, each role's memory per GPU from the target's config.json alone (no
     weights, tokenizer or GPU), and the largest num_anchors that fits per max_length on GiB GPUs (default 80, 141)."""
     from transformers import AutoConfig
-    shape, _, gib = cfg.plan.partition(":")
-    nodes, gpus = (int(x) for x in shape.lower().split("x"))
-    world, sizes = nodes * gpus, [float(gib)] if gib else [80.0, 141.0]
+    if not _plan_shape(cfg.plan):  # a config error like any other, before anything is read
+        raise SystemExit(f"invalid config:\n  plan={cfg.plan!r} {PLAN_FORMAT}")
+    nodes, gpus, gib = _plan_shape(cfg.plan)
+    world, sizes = nodes * gpus, [gib] if gib else [80.0, 141.0]
+    try:
+        assign_roles(world, cfg, gpus)
+    except ValueError as e:
+        raise SystemExit(f"invalid config:\n  plan={cfg.plan!r}: {e}") from None
     try:
         target_config = AutoConfig.from_pretrained(cfg.target, trust_remote_code=False)
     except (OSError, ValueError) as e:
