@@ -12,6 +12,7 @@ import copy
 import functools
 import gzip
 import importlib.util
+import inspect
 import json
 import os
 import tempfile
@@ -40,6 +41,13 @@ def pick(logits, temperature, generator=None):
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     return torch.multinomial(probs.view(-1, probs.shape[-1]), 1, generator=generator).view(probs.shape[:-1])
+
+
+@functools.cache
+def _cache_name(model_cls):
+    """The name a target's forward takes its KV cache by and returns it under: `cache` where transformers has it
+    (5.24 warns on `past_key_values`, which goes in 5.40), else `past_key_values` (5.17 knows no other)."""
+    return "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
 
 
 def crop(cache, length):
@@ -82,11 +90,11 @@ def spec_decode(target, drafter, prompt_ids, max_new, block_size, eos, temperatu
     accepted + 1, and tokens of it in that output). The authors' benchmark loop (z-lab/dflash `dflash_generate`):
     full blocks to the end, a cycle while fewer than max_new + 1 tokens are out, the stop check after each cycle (a
     first token that is EOS still gets one), every cycle counted whole. times: seconds added per phase (synced)."""
-    dev, K = target.device, block_size
+    dev, K, kv = target.device, block_size, _cache_name(type(target))
     t = _clock(dev) if times is not None else 0.0
     out = target(input_ids=torch.tensor([prompt_ids], device=dev), use_cache=True, output_hidden_states=K > 1,
                  logits_to_keep=1)
-    cache_t, cache_d = out.past_key_values, None
+    cache_t, cache_d = getattr(out, kv), None
     gen = [int(pick(out.logits[:, -1], temperature, generator))]
     if K > 1:  # the drafter's first context: features of prompt positions 0..n-1
         new_hidden = features(out.hidden_states, drafter.cfg.target_layer_ids)
@@ -100,7 +108,7 @@ def spec_decode(target, drafter, prompt_ids, max_new, block_size, eos, temperatu
             block[:, 1:], cache_d = draft(drafter, target, block, new_hidden, cache_d, start, temperature, generator)
             t = _clock(dev, times, "draft", t)
         out = target(input_ids=block, position_ids=torch.arange(start, start + K, device=dev)[None],
-                     past_key_values=cache_t, use_cache=True, output_hidden_states=K > 1)
+                     **{kv: cache_t}, use_cache=True, output_hidden_states=K > 1)
         # posterior[k] = the target's token after block position k; at temperature > 0 an independent target
         # sample compared by token equality, as the authors' loop does, not a probability-ratio test
         blk, post = torch.stack([block[0], pick(out.logits[0], temperature, generator)]).tolist()  # one sync
@@ -123,12 +131,13 @@ def spec_decode(target, drafter, prompt_ids, max_new, block_size, eos, temperatu
 def plain_decode(target, prompt_ids, max_new, eos, temperature=0.0, generator=None, times=None):
     """The target alone, one token per forward over its KV cache: the baseline for speed and for losslessness.
     times: seconds added under plain_prefill / plain_step (each step ends in a host sync already: int())."""
+    kv = _cache_name(type(target))
     t = _clock(target.device) if times is not None else 0.0
     out = target(input_ids=torch.tensor([prompt_ids], device=target.device), use_cache=True, logits_to_keep=1)
     gen = [int(pick(out.logits[:, -1], temperature, generator))]
     t = _clock(target.device, times, "plain_prefill", t)
     while len(gen) < max_new and gen[-1] not in eos:
-        out = target(input_ids=torch.tensor([gen[-1:]], device=target.device), past_key_values=out.past_key_values,
+        out = target(input_ids=torch.tensor([gen[-1:]], device=target.device), **{kv: getattr(out, kv)},
                      use_cache=True)
         gen.append(int(pick(out.logits[:, -1], temperature, generator)))
     _clock(target.device, times, "plain_step", t)
