@@ -252,6 +252,36 @@ def test_decoding_never_uses_cudnn_attention(monkeypatch, llama):
     assert torch.backends.cuda.cudnn_sdp_enabled()  # restored on the way out
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decoding_raises_no_deprecation_warning(monkeypatch, arch):
+    """Our decoding calls pass and read the KV cache under the name this transformers takes: under the pins (5.24,
+    where `past_key_values` warns and goes in 5.40) no deprecation, neither as a Python warning (made an error here)
+    nor as transformers' logged one (its warning_once made to log every time), in spec_decode, plain_decode and the
+    regeneration's batched generate."""
+    import logging
+    import warnings
+    import data
+    target = tiny_target(arch)
+    drafter = tiny_drafter(target, block_size=4, markov_rank=8)
+    logged = logging.Handler()
+    logged.records = []
+    logged.emit = logged.records.append
+    monkeypatch.setattr(logging.Logger, "warning_once", lambda self, *a, **kw: self.warning(*a, **kw))
+    logging.getLogger("transformers").addHandler(logged)
+    p = prompts()[1]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            warnings.simplefilter("error", FutureWarning)
+            ev.spec_decode(target, drafter, p, 12, 4, set())
+            ev.plain_decode(target, p, 12, set())
+            data._generate(target, tiny_tokenizer(), [[{"role": "user", "content": "w7 w8"}]] * 2, 6, {})
+    finally:
+        logging.getLogger("transformers").removeHandler(logged)
+    messages = [r.getMessage() for r in logged.records]
+    assert not [m for m in messages if "deprecat" in m.lower()], messages
+
+
 def test_check_catches_a_broken_loop(monkeypatch, llama):
     """The lossless check can fail: a loop that forgets to crop the target cache after rejections is caught."""
     target, drafter = llama
