@@ -25,8 +25,8 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 from attention import NO_CUDNN
-from target import (convert_gguf, default_cache_dir, load_for_generation, load_tokenizer,
-                    smollm2_gguf)
+from target import (convert_gguf, default_cache_dir, default_dtype, load_for_generation,
+                    load_tokenizer, smollm2_gguf)
 
 # ShareGPT speaker names -> OpenAI roles; anything else is an error, never a guess
 ROLES = {"system": "system", "user": "user", "human": "user",
@@ -479,23 +479,26 @@ def spawn_workers(fn, n, args=(), keep=()):
         raise next((c for c in keep if f"{c.__name__}: " in str(e)), RuntimeError)(str(e).strip()) from None
 
 
-def _regen_worker(rank, world, model_path, in_path, out_path, device, kw):
+def _regen_worker(rank, world, model_path, in_path, out_path, device, dtype, kw):
     if device == "cuda":  # more workers than GPUs: they share the GPUs round-robin
         device = f"cuda:{rank % torch.cuda.device_count()}"
     else:  # CPU workers share the cores instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    model, tokenizer = load_for_generation(model_path, device)
+    model, tokenizer = load_for_generation(model_path, device, dtype)
     stats = regenerate(model, tokenizer, in_path, out_path, rank=rank, world=world, **kw)
     print(f"regenerate rank {rank}: {json.dumps({k: round(v, 2) for k, v in stats.items()})}")
 
 
-def regenerate_file(model_path, in_path, out_path, device="cpu", procs=None, **kw):
-    """Regenerate in_path into out_path, if absent (a rerun resumes), in `procs` processes on disjoint shards."""
+def regenerate_file(model_path, in_path, out_path, device="cpu", procs=None, dtype=None, **kw):
+    """Regenerate in_path into out_path, if absent (a rerun resumes), in `procs` processes on disjoint shards.
+    dtype: a torch dtype's name; None: default_dtype(device)."""
     if Path(out_path).exists():
         print(f"{out_path} exists, skipping regeneration")
     else:
         world = procs or (max(1, torch.cuda.device_count()) if device == "cuda" else 1)
-        spawn_workers(_regen_worker, world, (world, model_path, in_path, out_path, device, kw))
+        dtype, why = (getattr(torch, dtype), "--dtype") if dtype else default_dtype(device)
+        print(f"regenerating {in_path} in {str(dtype).removeprefix('torch.')} ({why})", flush=True)
+        spawn_workers(_regen_worker, world, (world, model_path, in_path, out_path, device, dtype, kw))
         merge_parts(out_path, world)
     return Path(out_path)
 
@@ -584,7 +587,7 @@ def demo_settings(device, world=1):
 
 
 def prepare_demo(cache_dir=None, n_train=None, n_eval=None, max_new_tokens=None, device="cpu", batch_size=None,
-                 gguf=None, samples=None, sample_temperature=None):
+                 gguf=None, samples=None, sample_temperature=None, dtype=None):
     """Build or find the demo corpus -> {"target", "train", "eval", "mask_token_id"}; sizes left None: demo_settings."""
     given = dict(locals())  # the arguments, by name
     s = {k: v if given.get(k) is None else given[k] for k, v in demo_settings(device)["corpus"].items()}
@@ -607,7 +610,7 @@ def prepare_demo(cache_dir=None, n_train=None, n_eval=None, max_new_tokens=None,
             _write_atomic(f, kept)
     train = cache / f"chitchat_train_u{s['n_train']}_m{s['max_new_tokens']}.jsonl"
     procs = s["procs_per_gpu"] * max(1, torch.cuda.device_count()) if device == "cuda" else None
-    kw = dict(batch_size=s["batch_size"], max_new_tokens=s["max_new_tokens"])
+    kw = dict(batch_size=s["batch_size"], max_new_tokens=s["max_new_tokens"], dtype=dtype)
     regenerate_file(target, subsets["train"], train, device, procs, **kw)
     if s["samples"] > 0:  # the prompts `samples` times more (ids made distinct), answered at the temperature
         greedy, train = train, train.with_name(f"{train.stem}_t{s['sample_temperature']:g}x{s['samples']}.jsonl")
@@ -634,6 +637,8 @@ def main(argv=None):
     t = sub.add_parser("tokenize", help="tokenize + cache a dataset, print timing")
     for q in (d, r):
         q.add_argument("--device", default="cpu", help="cpu | cuda (all visible GPUs) | cuda:N")
+        q.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bfloat16 on cuda; on cpu "
+                       "bfloat16 only with native bf16 matmuls, else float32")
         q.add_argument("--batch_size", type=int)
         q.add_argument("--max_new_tokens", type=int)
     d.add_argument("--cache_dir", help="default: $DFLASH_CACHE or ~/.cache/dflash-trainer")
@@ -659,7 +664,7 @@ def main(argv=None):
     if a.cmd == "demo":
         print(prepare_demo(**{k: v for k, v in vars(a).items() if k != "cmd"}))
     elif a.cmd == "regenerate":
-        regenerate_file(a.model, a.data, a.out, a.device, a.procs, batch_size=a.batch_size or 16,
+        regenerate_file(a.model, a.data, a.out, a.device, a.procs, a.dtype, batch_size=a.batch_size or 16,
                         max_new_tokens=a.max_new_tokens or 512, skip_invalid=a.skip_invalid,
                         temperature=a.temperature, seed=a.seed, **a.chat_kwargs)
     else:

@@ -26,7 +26,7 @@ import data
 from attention import NO_CUDNN
 from checkpoint import list_ckpts
 from model import load_drafter
-from target import convert_gguf, features, load_for_generation, load_tokenizer
+from target import convert_gguf, default_dtype, features, load_for_generation, load_tokenizer
 
 TIME_KEYS = ("prefill", "draft", "verify", "other", "plain_prefill", "plain_step")
 
@@ -647,7 +647,8 @@ def _args(argv):
     arg("--block-size", type=int, help="default: the drafter's")
     arg("--limit", type=int, help="first N prompts (--demo: the demo's)")
     arg("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    arg("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on cuda, float32 on cpu")
+    arg("--dtype", choices=["float32", "bfloat16", "float16"],
+        help="default: bfloat16 on cuda; on cpu bfloat16 only with native bf16 matmuls, else float32")
     arg("--seed", type=int, default=0)
     arg("--no-baseline", dest="check_lossless", action="store_false", help="no plain decoding: no speedup, no check")
     arg("--out", help="default: out/eval; with --watch: RUN/eval; with --demo: RUN")
@@ -704,7 +705,8 @@ def main(argv=None):
     sets = bench_sets(a.bench, a.limit) if a.bench else None  # read and checked before any model
     prompts = None if sets else read_prompts(a.data, a.limit)
     keys = data.training_prompt_keys(a.train_data) if a.train_data else None
-    dtype = getattr(torch, a.dtype) if a.dtype else None
+    dtype, why = (getattr(torch, a.dtype), "--dtype") if a.dtype else default_dtype(a.device)
+    print(f"dtype: {str(dtype).removeprefix('torch.')} ({why})", flush=True)
     kw = {k: getattr(a, k) for k in ("max_new_tokens", "temperature", "block_size", "check_lossless", "seed")}
     # one target for every checkpoint
     target = functools.cache(lambda: load_for_generation(a.target, a.device, dtype))

@@ -193,7 +193,7 @@ def memory_estimate(cfg, dcfg, target_config, targets_per_node, num_anchors=None
     backward (per block row, per context position), one LM-head chunk (logits, fp32 softmax, gradient). Target: its
     shard, the gathered layers (current and next), one layer's forward activations, the states in flight. Within a
     few percent of measured peaks (BENCHMARKS.md)."""
-    N, B, b = num_anchors or cfg.num_anchors, cfg.batch_size, 2 if cfg.dtype == "bfloat16" else 4
+    N, B, b = num_anchors or cfg.num_anchors, cfg.batch_size, 4 if cfg.dtype == "float32" else 2  # auto: bf16 on GPUs
     S = -(-cfg.max_length // cfg.pad_multiple) * cfg.pad_multiple  # the longest batch: max_length, padded up
     D, F, V, K, L = dcfg.hidden_size, dcfg.intermediate_size, dcfg.vocab_size, dcfg.block_size, dcfg.num_hidden_layers
     q, kv = dcfg.num_attention_heads * dcfg.head_dim, dcfg.num_key_value_heads * dcfg.head_dim

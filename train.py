@@ -38,7 +38,7 @@ from model import (DFlashDrafter, DrafterConfig, LossBatch, LossOptions, Tables,
 from ranks import (USABLE, Colocated, Receiver, assign_roles, drafter_schedule, largest_anchors,
                    memory_check, on_gpu, per_step, placement_table, reduce_stats, report_failure,
                    role_of, run_target, setup_dist, teardown_dist, torchrun_env, watch_for_death)
-from target import frozen_tables, load_for_capture, read_target
+from target import default_dtype, frozen_tables, load_for_capture, read_target
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,9 @@ class Config:
     target_ranks: int = 5  # processes per node holding the target (FSDP2 mesh within the node)
     drafter_ranks: int = 3  # processes per node training the drafter (data parallel over all nodes)
     target_shard: str = "fsdp"  # fsdp | replicate (a full target copy per target rank)
-    dtype: str = "bfloat16"  # bfloat16 (fp32 master weights and optimizer state) | float32
+    # auto | bfloat16 (fp32 master weights and optimizer state) | float32; auto: bf16 on CUDA, on a CPU bf16 only
+    # where its matmuls are native, else fp32 (target.default_dtype)
+    dtype: str = "auto"
     device: str = "auto"  # auto | cuda | cpu
     compile: bool = True  # CUDA: compile each drafter layer (flex inside); False = eager layers, flex compiled
     fp8: str = ""  # "" = bf16 matmuls | tensorwise | rowwise: FP8 drafter linears (model.to_float8, torchao)
@@ -308,12 +310,15 @@ def main(cfg):
         print(plan(cfg))
         return
     env = torchrun_env()
+    cfg, why = resolve_dtype(cfg)
     try:  # a config error is a message naming the field and exit 1, before any process group or GPU memory
         target_config, tokenizer = read_target(cfg.target)
         validate(cfg, env.world, target_config, tokenizer, env.local_world)
     except ValueError as e:
         report_failure(f"[rank {env.rank}] {e}")
         raise SystemExit(f"[rank {env.rank}] {e}") from None
+    if env.rank == 0:
+        print(why, flush=True)
     role = role_of(env.rank, *assign_roles(env.world, cfg, env.local_world))
     watch_for_death(env.rank, role)
     d = None
@@ -411,7 +416,7 @@ RULES = SHAPE + [
     *_each(["lr", "gamma", "grad_clip"], lambda x: 0 < x < INF, "must be > 0 and finite"),
     *_each(["weight_decay"], lambda x: 0 <= x < INF, "must be >= 0 and finite"),
     *_each(["warmup_ratio", "beta1", "beta2"], lambda x: 0 <= x < 1, "must be in [0, 1)"),
-    ("dtype", lambda c, t: c.dtype in ("bfloat16", "float32"), "must be bfloat16 or float32"),
+    ("dtype", lambda c, t: c.dtype in ("auto", "bfloat16", "float32"), "must be auto, bfloat16 or float32"),
     ("loss_weighting", lambda c, t: c.loss_weighting in ("decay", "dpace"), "must be decay or dpace"),
     ("loss_impl", lambda c, t: c.loss_impl in ("fused", "plain"), "must be fused or plain"),
     *_each(["dpace_alpha"], lambda x: 0 < x <= 1, "must be in (0, 1]"),
@@ -529,6 +534,7 @@ def plan(cfg):
     except (OSError, ValueError) as e:
         raise SystemExit(f"--plan needs the target's config.json: --target={cfg.target!r}: {e}") from None
     cfg = dataclasses.replace(cfg, device="cuda" if cfg.device == "auto" else cfg.device)  # planned for GPUs
+    cfg = resolve_dtype(cfg)[0]
     dcfg = drafter_cfg(dataclasses.replace(cfg, mask_token="0"), target_config, None)  # which token: no matter
     lines = memory_check(cfg, dcfg, target_config, world, sizes[-1])[0]
     out = [placement_table(world, gpus, cfg), f"memory per GPU (estimate) at max_length={cfg.max_length}, "
@@ -540,6 +546,15 @@ def plan(cfg):
         out.append(f"  max_length={S}: " + ", ".join(
             f"{largest_anchors(c, dcfg, target_config, world, USABLE * g)} on {g:g} GiB" for g in sizes))
     return "\n".join(out)
+
+
+def resolve_dtype(cfg):
+    """dtype=auto -> the one target.default_dtype picks for this device -> (cfg, the start-up line saying why)."""
+    if cfg.dtype != "auto":
+        return cfg, f"dtype: {cfg.dtype} (--dtype)"
+    dtype, why = default_dtype("cuda" if on_gpu(cfg.device) else "cpu")
+    name = str(dtype).removeprefix("torch.")
+    return dataclasses.replace(cfg, dtype=name), f"dtype: {name} ({why}; --dtype overrides)"
 
 
 def drafter_cfg(cfg, target_config, tokenizer):

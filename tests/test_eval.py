@@ -351,7 +351,7 @@ def test_cli_loads_checkpoint_writes_json_and_png(tmp_path, llama):
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in convs))
     res = ev.main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--data", str(data),
-                   "--max-new-tokens", "24", "--block-size", "8", "--limit", "2", "--device", "cpu",
+                   "--max-new-tokens", "24", "--block-size", "8", "--limit", "2", "--device", "cpu", "--dtype", "float32",
                    "--out", str(tmp_path / "out")])
     saved = json.loads((tmp_path / "out" / "eval.json").read_text())
     assert saved["tau"] == res["tau"] and saved["config"]["block_size"] == 8 and saved["config"]["prompts"] == 2
@@ -427,6 +427,7 @@ def test_cli_workers_match_one_process(saved, llama, tmp_path, capsys, temperatu
     target, drafter = llama
     par = ev.main(["--target", str(saved / "target"), "--drafter", str(saved / "drafter"), "--data",
                    str(saved / "prompts.jsonl"), "--max-new-tokens", "24", "--block-size", "4", "--device", "cpu",
+                   "--dtype", "float32",
                    "--temperature", temperature, "--seed", "3", "--workers", "2", "--out", str(tmp_path)])
     one = ev.evaluate(target, tiny_tokenizer(), drafter, ev.read_prompts(saved / "prompts.jsonl"), 24,
                       float(temperature), 4, seed=3)
@@ -451,8 +452,8 @@ def test_worker_lossless_error_fails_the_run(saved, tmp_path):
     tiny_tokenizer().save_pretrained(tmp_path / "target")
     ps = [prompts()[0], prompts()[3]]  # 3 + 24 positions stay under 32, 30 + 24 do not
     with pytest.raises(ev.LosslessError, match="not lossless: prompt 1, new token"):
-        ev.evaluate_parallel(tmp_path / "target", saved / "drafter", ps, 2, "cpu", max_new_tokens=24, block_size=4,
-                             eos_ids=[EOS])
+        ev.evaluate_parallel(tmp_path / "target", saved / "drafter", ps, 2, "cpu", torch.float32, max_new_tokens=24,
+                             block_size=4, eos_ids=[EOS])
 
 
 def test_dead_worker_fails_fast(saved):
@@ -461,7 +462,8 @@ def test_dead_worker_fails_fast(saved):
     ps = prompts(3) + [[7, V + 5]]  # prompt 3 -> worker 1
     t0 = time.perf_counter()
     with pytest.raises(RuntimeError, match="IndexError"):
-        ev.evaluate_parallel(saved / "target", saved / "drafter", ps, 2, "cpu", max_new_tokens=8, eos_ids=[EOS])
+        ev.evaluate_parallel(saved / "target", saved / "drafter", ps, 2, "cpu", torch.float32, max_new_tokens=8,
+                             eos_ids=[EOS])
     assert time.perf_counter() - t0 < 60
 
 
@@ -483,7 +485,7 @@ def test_cli_demo_untrained_vs_trained(saved, llama, tmp_path, monkeypatch, caps
     real = data.demo_settings
     monkeypatch.setattr(data, "demo_settings", lambda *a: dict(real(*a), eval=dict(limit=3, max_new_tokens=99,
                                                                                      workers=1)))
-    u, t = ev.main(["--demo", str(run), "--device", "cpu", "--max-new-tokens", "12"])
+    u, t = ev.main(["--demo", str(run), "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "12"])
     for name, res, ckpt in (("untrained", u, "init"), ("trained", t, "ckpt-0000001")):
         assert json.loads((run / f"eval_{name}" / "eval.json").read_text())["per_prompt"] == res["per_prompt"]
         assert (run / f"eval_{name}" / "eval.png").exists() and res["config"]["drafter"] == str(run / ckpt)
@@ -518,11 +520,11 @@ def test_watch_a_training_run(tiny_target, convs, tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": c}]}) + "\n"
                             for c in ("Say 3 words please", "alpha beta")))
-    args = ["--data", str(data), "--max-new-tokens", "8", "--device", "cpu", "--poll", "0.1"]
+    args = ["--data", str(data), "--max-new-tokens", "8", "--device", "cpu", "--dtype", "float32", "--poll", "0.1"]
     rows, pruned, torn = ev.main(["--watch", str(run)] + args)
     assert [r["step"] for r in rows] == [0, 2, 4] and not pruned and not torn and all(r["lossless"] for r in rows)
     assert (run / "eval" / "tau.png").exists() and (run / "eval" / "ckpt-0000004" / "eval.png").exists()
-    target, tok = load_for_generation(tiny_target, "cpu")
+    target, tok = load_for_generation(tiny_target, "cpu", torch.float32)
     drafter = load_drafter(run / "ckpt-0000004", "cpu", torch.float32)  # as --watch loads it: the target's dtype
     direct = ev.evaluate(target, tok, drafter, ev.read_prompts(data), 8)
     saved = json.loads((run / "eval" / "ckpt-0000004" / "eval.json").read_text())
@@ -601,7 +603,7 @@ def test_watch_skips_incomplete_and_torn_checkpoints(saved, llama, tmp_path, cap
                                                            "data": str(tmp_path / "gone.jsonl")}}))
     (run / "done.json").write_text("{}")
     args = ["--watch", str(run), "--data", str(saved / "prompts.jsonl"), "--limit", "1", "--max-new-tokens", "6",
-            "--device", "cpu"]
+            "--device", "cpu", "--dtype", "float32"]
     rows, pruned, torn = ev.main(args)
     assert [r["ckpt"] for r in rows] == ["init", "ckpt-0000008"] and all(r["lossless"] for r in rows)
     assert pruned == [] and torn == ["ckpt-0000002", "ckpt-0000004", "ckpt-0000006"]
