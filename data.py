@@ -490,15 +490,16 @@ def _regen_worker(rank, world, model_path, in_path, out_path, device, dtype, kw)
 
 
 def regenerate_file(model_path, in_path, out_path, device="cpu", procs=None, dtype=None, **kw):
-    """Regenerate in_path into out_path, if absent (a rerun resumes), in `procs` processes on disjoint shards.
-    dtype: a torch dtype's name; None: default_dtype(device)."""
+    """Regenerate in_path into out_path, if absent (a rerun resumes), in `procs` processes on
+    disjoint shards. dtype: a torch dtype's name; None: default_dtype(device)."""
     if Path(out_path).exists():
         print(f"{out_path} exists, skipping regeneration")
     else:
         world = procs or (max(1, torch.cuda.device_count()) if device == "cuda" else 1)
         dtype, why = (getattr(torch, dtype), "--dtype") if dtype else default_dtype(device)
         print(f"regenerating {in_path} in {str(dtype).removeprefix('torch.')} ({why})", flush=True)
-        spawn_workers(_regen_worker, world, (world, model_path, in_path, out_path, device, dtype, kw))
+        args = (world, model_path, in_path, out_path, device, dtype, kw)
+        spawn_workers(_regen_worker, world, args)
         merge_parts(out_path, world)
     return Path(out_path)
 
@@ -637,8 +638,8 @@ def main(argv=None):
     t = sub.add_parser("tokenize", help="tokenize + cache a dataset, print timing")
     for q in (d, r):
         q.add_argument("--device", default="cpu", help="cpu | cuda (all visible GPUs) | cuda:N")
-        q.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bfloat16 on cuda; on cpu "
-                       "bfloat16 only with native bf16 matmuls, else float32")
+        q.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bfloat16 on "
+                       "cuda; on cpu bfloat16 only with native bf16 matmuls, else float32")
         q.add_argument("--batch_size", type=int)
         q.add_argument("--max_new_tokens", type=int)
     d.add_argument("--cache_dir", help="default: $DFLASH_CACHE or ~/.cache/dflash-trainer")
@@ -664,7 +665,8 @@ def main(argv=None):
     if a.cmd == "demo":
         print(prepare_demo(**{k: v for k, v in vars(a).items() if k != "cmd"}))
     elif a.cmd == "regenerate":
-        regenerate_file(a.model, a.data, a.out, a.device, a.procs, a.dtype, batch_size=a.batch_size or 16,
+        regenerate_file(a.model, a.data, a.out, a.device, a.procs, a.dtype,
+                        batch_size=a.batch_size or 16,
                         max_new_tokens=a.max_new_tokens or 512, skip_invalid=a.skip_invalid,
                         temperature=a.temperature, seed=a.seed, **a.chat_kwargs)
     else:

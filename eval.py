@@ -45,9 +45,11 @@ def pick(logits, temperature, generator=None):
 
 @functools.cache
 def _cache_name(model_cls):
-    """The name a target's forward takes its KV cache by and returns it under: `cache` where transformers has it
-    (5.24 warns on `past_key_values`, which goes in 5.40), else `past_key_values` (5.17 knows no other)."""
-    return "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
+    """The name a target's forward takes its KV cache by and returns it under: `cache` where
+    transformers has it (5.24 warns on `past_key_values`, which goes in 5.40), else
+    `past_key_values` (5.17 knows no other)."""
+    takes = inspect.signature(model_cls.forward).parameters
+    return "cache" if "cache" in takes else "past_key_values"
 
 
 def crop(cache, length):
@@ -137,8 +139,8 @@ def plain_decode(target, prompt_ids, max_new, eos, temperature=0.0, generator=No
     gen = [int(pick(out.logits[:, -1], temperature, generator))]
     t = _clock(target.device, times, "plain_prefill", t)
     while len(gen) < max_new and gen[-1] not in eos:
-        out = target(input_ids=torch.tensor([gen[-1:]], device=target.device), **{kv: getattr(out, kv)},
-                     use_cache=True)
+        ids = torch.tensor([gen[-1:]], device=target.device)
+        out = target(input_ids=ids, **{kv: getattr(out, kv)}, use_cache=True)
         gen.append(int(pick(out.logits[:, -1], temperature, generator)))
     _clock(target.device, times, "plain_step", t)
     return gen
@@ -647,8 +649,8 @@ def _args(argv):
     arg("--block-size", type=int, help="default: the drafter's")
     arg("--limit", type=int, help="first N prompts (--demo: the demo's)")
     arg("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    arg("--dtype", choices=["float32", "bfloat16", "float16"],
-        help="default: bfloat16 on cuda; on cpu bfloat16 only with native bf16 matmuls, else float32")
+    arg("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on cuda; "
+        "on cpu bfloat16 only with native bf16 matmuls, else float32")
     arg("--seed", type=int, default=0)
     arg("--no-baseline", dest="check_lossless", action="store_false", help="no plain decoding: no speedup, no check")
     arg("--out", help="default: out/eval; with --watch: RUN/eval; with --demo: RUN")

@@ -207,13 +207,15 @@ class DrafterConfig:
     def to_json_dict(self):
         def own(*names):  # these fields as they are
             return {n: getattr(self, n) for n in names}
-        # a Markov head makes it a DSpark drafter as vLLM (`method: "dspark"`) and SGLang read one: the rank, a vanilla
-        # head (w2(w1[prev]), both [V, r]), no confidence head, our block layout (offset 0 holds the anchor, predicts
-        # nothing: sample_from_anchor). SpecForge's DSparkDraftModel reads the head from dflash_config instead, with
-        # projector_type "dspark" and attention_mode gqa (fewer KV heads) or mha (specforge/modeling/draft/dspark.py)
-        dspark = {"markov_rank": self.markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": False}
-        nested = {**dspark, "projector_type": "dspark",
-                  "attention_mode": "gqa" if self.num_key_value_heads < self.num_attention_heads else "mha"}
+        # a Markov head makes it a DSpark drafter as vLLM (`method: "dspark"`) and SGLang read
+        # one: the rank, a vanilla head (w2(w1[prev]), both [V, r]), no confidence head, our block
+        # layout (offset 0 holds the anchor, predicts nothing: sample_from_anchor). SpecForge's
+        # DSparkDraftModel reads the head from dflash_config instead, with projector_type dspark
+        # and attention_mode gqa (fewer KV heads) or mha (specforge/modeling/draft/dspark.py)
+        dspark = {"markov_rank": self.markov_rank, "markov_head_type": "vanilla",
+                  "enable_confidence_head": False}
+        gqa = self.num_key_value_heads < self.num_attention_heads
+        nested = {**dspark, "projector_type": "dspark", "attention_mode": "gqa" if gqa else "mha"}
         head = {**dspark, "sample_from_anchor": False, "mask_token_id": self.mask_token_id,
                 "target_layer_ids": list(self.target_layer_ids)} if self.markov_rank else {}
         return {
@@ -235,8 +237,10 @@ class DrafterConfig:
             "use_cache": True,
             # the authors' loaders read block_size here, SGLang in dflash_config first
             **own("block_size", "num_target_layers"),
-            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
-                              "block_size": self.block_size, **(nested if self.markov_rank else {})},
+            "dflash_config": {"mask_token_id": self.mask_token_id,
+                              "target_layer_ids": list(self.target_layer_ids),
+                              "block_size": self.block_size,
+                              **(nested if self.markov_rank else {})},
         }
 
     @classmethod
@@ -252,7 +256,8 @@ class DrafterConfig:
             d["rope_theta"] = d["rope_parameters"]["rope_theta"]
         kw = dict(target_layer_ids=list(ids), mask_token_id=dc["mask_token_id"],
                   block_size=dc.get("block_size", d.get("block_size", 16)),
-                  markov_rank=dc.get("markov_rank", d.get("markov_rank", 0)))  # SpecForge's exports: nested only
+                  # SpecForge writes the head's fields nested only
+                  markov_rank=dc.get("markov_rank", d.get("markov_rank", 0)))
         if not d.get("use_sliding_window", True):
             d["sliding_window"] = None
         for name in [n for n in cls.__dataclass_fields__ if n not in kw]:

@@ -82,8 +82,8 @@ class Config:
     target_ranks: int = 5  # processes per node holding the target (FSDP2 mesh within the node)
     drafter_ranks: int = 3  # processes per node training the drafter (data parallel over all nodes)
     target_shard: str = "fsdp"  # fsdp | replicate (a full target copy per target rank)
-    # auto | bfloat16 (fp32 master weights and optimizer state) | float32; auto: bf16 on CUDA, on a CPU bf16 only
-    # where its matmuls are native, else fp32 (target.default_dtype)
+    # auto | bfloat16 (fp32 master weights and optimizer state) | float32; auto: bf16 on CUDA,
+    # on a CPU bf16 only where its matmuls are native, else fp32 (target.default_dtype)
     dtype: str = "auto"
     device: str = "auto"  # auto | cuda | cpu
     compile: bool = True  # CUDA: compile each drafter layer (flex inside); False = eager layers, flex compiled
@@ -376,7 +376,8 @@ def _each(names, ok, message):
 
 
 INF, MAX_STEPS, DAY = float("inf"), 10 ** 9, 86_400
-PLAN_FORMAT = "must be NODESxGPUS[:GiB], e.g. 1x8:80 (NODES in [1, 512], GPUS in [1, 64], GiB in (0, 4096])"
+PLAN_FORMAT = ("must be NODESxGPUS[:GiB], e.g. 1x8:80 (NODES in [1, 512], GPUS in [1, 64], "
+               "GiB in (0, 4096])")
 # (field, check(cfg, target text config), message): every failing row is reported, naming its field. Numbers are
 # checked against ranges, so nan and inf fail too. A 4th element: the fields a row compares with; it is skipped when
 # one of them failed. SHAPE: the fields the drafter config is derived from (deriving it is skipped when one fails).
@@ -402,8 +403,9 @@ RULES = SHAPE + [
      ["block_size"]),
     ("num_anchors", lambda c, t: 1 <= c.num_anchors <= c.max_length,
      "must be in [1, max_length] (a sequence has no more anchor positions)", ["max_length"]),
-    # a bucket longer than every sequence pads each batch past max_length: the whole step grows with it
-    ("pad_multiple", lambda c, t: 1 <= c.pad_multiple <= c.max_length, "must be in [1, max_length]", ["max_length"]),
+    # a bucket longer than every sequence pads each batch past max_length: the step grows with it
+    ("pad_multiple", lambda c, t: 1 <= c.pad_multiple <= c.max_length, "must be in [1, max_length]",
+     ["max_length"]),
     *_each(["batch_size", "grad_accum", "log_every", "ckpt_every", "keep_ckpts", "max_bad_steps"],
            lambda x: 1 <= x <= 2 ** 31, "must be in [1, 2^31]"),
     *_each(["prefetch"], lambda x: 1 <= x <= 64, "must be in [1, 64] (micro-batches held in flight)"),
@@ -416,11 +418,12 @@ RULES = SHAPE + [
     *_each(["lr", "gamma", "grad_clip"], lambda x: 0 < x < INF, "must be > 0 and finite"),
     *_each(["weight_decay"], lambda x: 0 <= x < INF, "must be >= 0 and finite"),
     *_each(["warmup_ratio", "beta1", "beta2"], lambda x: 0 <= x < 1, "must be in [0, 1)"),
-    ("dtype", lambda c, t: c.dtype in ("auto", "bfloat16", "float32"), "must be auto, bfloat16 or float32"),
+    ("dtype", lambda c, t: c.dtype in ("auto", "bfloat16", "float32"),
+     "must be auto, bfloat16 or float32"),
     ("loss_weighting", lambda c, t: c.loss_weighting in ("decay", "dpace"), "must be decay or dpace"),
     ("loss_impl", lambda c, t: c.loss_impl in ("fused", "plain"), "must be fused or plain"),
     *_each(["dpace_alpha"], lambda x: 0 < x <= 1, "must be in (0, 1]"),
-    # a low-rank head (V x r, r x V) past rank V is no longer low-rank: it only costs memory and time
+    # a V x r, r x V head past rank V is no longer low-rank: it only costs memory and time
     ("markov_rank", lambda c, t: 0 <= c.markov_rank <= min(4096, t.vocab_size),
      "must be in [0, min(4096, the target vocabulary {t.vocab_size})] (0: no Markov head)"),
     ("target_shard", lambda c, t: c.target_shard in ("fsdp", "replicate"), "must be fsdp or replicate"),
@@ -458,8 +461,8 @@ def _inside(path, root):
 
 
 def _plan_shape(text):
-    """"NODESxGPUS[:GiB]" -> (nodes, gpus, GiB or None); None for anything else. Bounded: the placement table's
-    routing grows with the square of the world size (512 nodes of 8: ~15 s)."""
+    """"NODESxGPUS[:GiB]" -> (nodes, gpus, GiB or None); None for anything else. Bounded: the
+    placement table's routing grows with the square of the world size (512 nodes of 8: ~15 s)."""
     shape, colon, gib = text.partition(":")
     nodes, x, gpus = shape.lower().partition("x")
     if not (x and nodes.isascii() and nodes.isdigit() and gpus.isascii() and gpus.isdigit()):
@@ -549,7 +552,8 @@ def plan(cfg):
 
 
 def resolve_dtype(cfg):
-    """dtype=auto -> the one target.default_dtype picks for this device -> (cfg, the start-up line saying why)."""
+    """dtype=auto -> the one target.default_dtype picks for this device -> (cfg, the start-up line
+    saying why)."""
     if cfg.dtype != "auto":
         return cfg, f"dtype: {cfg.dtype} (--dtype)"
     dtype, why = default_dtype("cuda" if on_gpu(cfg.device) else "cpu")

@@ -254,10 +254,10 @@ def test_decoding_never_uses_cudnn_attention(monkeypatch, llama):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_decoding_raises_no_deprecation_warning(monkeypatch, arch):
-    """Our decoding calls pass and read the KV cache under the name this transformers takes: under the pins (5.24,
-    where `past_key_values` warns and goes in 5.40) no deprecation, neither as a Python warning (made an error here)
-    nor as transformers' logged one (its warning_once made to log every time), in spec_decode, plain_decode and the
-    regeneration's batched generate."""
+    """Our decoding calls pass and read the KV cache under the name this transformers takes:
+    under the pins (5.24, where `past_key_values` warns and goes in 5.40) no deprecation, neither
+    as a Python warning (made an error here) nor as transformers' logged one (its warning_once made
+    to log every time), in spec_decode, plain_decode and the regeneration's batched generate."""
     import logging
     import warnings
     import data
@@ -266,7 +266,8 @@ def test_decoding_raises_no_deprecation_warning(monkeypatch, arch):
     logged = logging.Handler()
     logged.records = []
     logged.emit = logged.records.append
-    monkeypatch.setattr(logging.Logger, "warning_once", lambda self, *a, **kw: self.warning(*a, **kw))
+    every_time = lambda self, *a, **kw: self.warning(*a, **kw)  # noqa: E731
+    monkeypatch.setattr(logging.Logger, "warning_once", every_time)
     logging.getLogger("transformers").addHandler(logged)
     p = prompts()[1]
     try:
@@ -275,7 +276,8 @@ def test_decoding_raises_no_deprecation_warning(monkeypatch, arch):
             warnings.simplefilter("error", FutureWarning)
             ev.spec_decode(target, drafter, p, 12, 4, set())
             ev.plain_decode(target, p, 12, set())
-            data._generate(target, tiny_tokenizer(), [[{"role": "user", "content": "w7 w8"}]] * 2, 6, {})
+            chats = [[{"role": "user", "content": "w7 w8"}]] * 2
+            data._generate(target, tiny_tokenizer(), chats, 6, {})
     finally:
         logging.getLogger("transformers").removeHandler(logged)
     messages = [r.getMessage() for r in logged.records]
@@ -350,8 +352,9 @@ def test_cli_loads_checkpoint_writes_json_and_png(tmp_path, llama):
               {"role": "user", "content": "w42 w43"}]]
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in convs))
-    res = ev.main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--data", str(data),
-                   "--max-new-tokens", "24", "--block-size", "8", "--limit", "2", "--device", "cpu", "--dtype", "float32",
+    res = ev.main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+                   "--data", str(data), "--max-new-tokens", "24", "--block-size", "8",
+                   "--limit", "2", "--device", "cpu", "--dtype", "float32",
                    "--out", str(tmp_path / "out")])
     saved = json.loads((tmp_path / "out" / "eval.json").read_text())
     assert saved["tau"] == res["tau"] and saved["config"]["block_size"] == 8 and saved["config"]["prompts"] == 2
@@ -452,8 +455,8 @@ def test_worker_lossless_error_fails_the_run(saved, tmp_path):
     tiny_tokenizer().save_pretrained(tmp_path / "target")
     ps = [prompts()[0], prompts()[3]]  # 3 + 24 positions stay under 32, 30 + 24 do not
     with pytest.raises(ev.LosslessError, match="not lossless: prompt 1, new token"):
-        ev.evaluate_parallel(tmp_path / "target", saved / "drafter", ps, 2, "cpu", torch.float32, max_new_tokens=24,
-                             block_size=4, eos_ids=[EOS])
+        ev.evaluate_parallel(tmp_path / "target", saved / "drafter", ps, 2, "cpu", torch.float32,
+                             max_new_tokens=24, block_size=4, eos_ids=[EOS])
 
 
 def test_dead_worker_fails_fast(saved):
@@ -462,8 +465,8 @@ def test_dead_worker_fails_fast(saved):
     ps = prompts(3) + [[7, V + 5]]  # prompt 3 -> worker 1
     t0 = time.perf_counter()
     with pytest.raises(RuntimeError, match="IndexError"):
-        ev.evaluate_parallel(saved / "target", saved / "drafter", ps, 2, "cpu", torch.float32, max_new_tokens=8,
-                             eos_ids=[EOS])
+        ev.evaluate_parallel(saved / "target", saved / "drafter", ps, 2, "cpu", torch.float32,
+                             max_new_tokens=8, eos_ids=[EOS])
     assert time.perf_counter() - t0 < 60
 
 
@@ -485,7 +488,8 @@ def test_cli_demo_untrained_vs_trained(saved, llama, tmp_path, monkeypatch, caps
     real = data.demo_settings
     monkeypatch.setattr(data, "demo_settings", lambda *a: dict(real(*a), eval=dict(limit=3, max_new_tokens=99,
                                                                                      workers=1)))
-    u, t = ev.main(["--demo", str(run), "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "12"])
+    u, t = ev.main(["--demo", str(run), "--device", "cpu", "--dtype", "float32",
+                    "--max-new-tokens", "12"])
     for name, res, ckpt in (("untrained", u, "init"), ("trained", t, "ckpt-0000001")):
         assert json.loads((run / f"eval_{name}" / "eval.json").read_text())["per_prompt"] == res["per_prompt"]
         assert (run / f"eval_{name}" / "eval.png").exists() and res["config"]["drafter"] == str(run / ckpt)
@@ -520,7 +524,8 @@ def test_watch_a_training_run(tiny_target, convs, tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": c}]}) + "\n"
                             for c in ("Say 3 words please", "alpha beta")))
-    args = ["--data", str(data), "--max-new-tokens", "8", "--device", "cpu", "--dtype", "float32", "--poll", "0.1"]
+    args = ["--data", str(data), "--max-new-tokens", "8", "--device", "cpu", "--dtype", "float32",
+            "--poll", "0.1"]
     rows, pruned, torn = ev.main(["--watch", str(run)] + args)
     assert [r["step"] for r in rows] == [0, 2, 4] and not pruned and not torn and all(r["lossless"] for r in rows)
     assert (run / "eval" / "tau.png").exists() and (run / "eval" / "ckpt-0000004" / "eval.png").exists()

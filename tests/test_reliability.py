@@ -318,7 +318,7 @@ INVALID = [
     ("anchors absurd", dict(num_anchors=10 ** 9), "num_anchors"),
     ("pad absurd", dict(pad_multiple=2 ** 40), "pad_multiple"),
     ("pad zero", dict(pad_multiple=0), "pad_multiple"),
-    ("pad past the length", dict(pad_multiple=65), "pad_multiple"),  # max_length 64: every batch padded past it
+    ("pad past the length", dict(pad_multiple=65), "pad_multiple"),  # max_length 64
     ("markov rank absurd", dict(markov_rank=4097), "markov_rank"),
     ("plan not a shape", dict(plan="abc"), "plan"),
     ("plan zero nodes", dict(plan="0x8"), "plan"),
@@ -351,8 +351,8 @@ INVALID = [
 def valid(tiny_target, convs, tmp_path):
     return dict(target=str(tiny_target), data=str(convs), out_dir=str(tmp_path / "out"), run_name="r", device="cpu",
                 mask_token="<empty_output>", drafter_layers=2, target_features=3, sliding_layers=1,
-                sliding_window=16, block_size=4, num_anchors=8, max_length=64, pad_multiple=16, target_ranks=2,
-                drafter_ranks=1)
+                sliding_window=16, block_size=4, num_anchors=8, max_length=64, pad_multiple=16,
+                target_ranks=2, drafter_ranks=1)
 
 
 @pytest.fixture(scope="module")
@@ -376,12 +376,14 @@ def test_invalid_config_names_the_field(valid, target_meta, case, override, fiel
 
 
 def test_markov_rank_past_the_vocabulary_is_refused(valid, target_meta):
-    """A V x r, r x V head is low-rank only below r = V: a rank past the target's vocabulary is refused."""
+    """A V x r, r x V head is low-rank only below r = V: a rank past the target's vocabulary is
+    refused."""
     tc, tok = target_meta
     small = copy.deepcopy(tc)
     small.vocab_size = 1024  # the mask token <empty_output> (id 16) stays inside it
     train.validate(train.Config(**valid, markov_rank=1024), 3, small, tok)
-    with pytest.raises(ValueError, match=r"markov_rank=1025 must be in \[0, min\(4096, the target vocabulary 1024"):
+    with pytest.raises(ValueError, match=r"markov_rank=1025 must be in \[0, min\(4096, the target "
+                                         r"vocabulary 1024"):
         train.validate(train.Config(**valid, markov_rank=1025), 3, small, tok)
 
 
@@ -622,7 +624,9 @@ def test_plan_prints_each_roles_memory_and_the_largest_num_anchors_per_length(va
     assert check(fit) == [] and check(fit + 1)
     with pytest.raises(SystemExit, match="--plan needs the target's config.json"):
         train.main(train.Config(**{**valid, "plan": "1x3", "target": str(valid["out_dir"])}))
-    # a plan that is not a shape, or not this config's ranks per node: a config error, before the target is read
-    for bad, why in (("abc", r"must be NODESxGPUS\[:GiB\]"), ("1x8", r"target_ranks \(2\) \+ drafter_ranks \(1\)")):
+    # a plan that is not a shape, or not this config's ranks per node: a config error, before the
+    # target is read
+    for bad, why in (("abc", r"must be NODESxGPUS\[:GiB\]"),
+                     ("1x8", r"target_ranks \(2\) \+ drafter_ranks \(1\)")):
         with pytest.raises(SystemExit, match=rf"invalid config:\n  plan='{bad}'.*{why}"):
             train.main(train.Config(**{**valid, "plan": bad, "target": "/nonexistent/model"}))

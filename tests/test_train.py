@@ -34,15 +34,16 @@ def test_assign_roles_and_config():
 
 
 @pytest.mark.parametrize("capability,bf16,amx,dtype", [
-    ("AVX2", False, False, torch.float32),  # the AVX2-only EPYC: emulated bf16 matmuls, ~100x slower than fp32
-    ("AVX2", True, False, torch.float32),  # ATEN_CPU_CAPABILITY=avx2 on a bf16 CPU: AVX2 kernels, emulated too
+    ("AVX2", False, False, torch.float32),  # AVX2-only EPYC: emulated bf16, ~100x slower than fp32
+    ("AVX2", True, False, torch.float32),  # ATEN_CPU_CAPABILITY=avx2 on a bf16 CPU: emulated too
     ("AVX512", False, False, torch.float32),  # AVX512 without its bf16 extension
     ("AVX512", True, False, torch.bfloat16),
     ("AVX512", False, True, torch.bfloat16),
     ("DEFAULT", False, False, torch.float32)])
 def test_cpu_dtype_follows_the_cpu(monkeypatch, tiny_target, capability, bf16, amx, dtype):
-    """dtype=auto on a CPU: bf16 only with native bf16 matmuls, said in the start-up line; --dtype overrides; CUDA is
-    bf16. Training (train.main), eval and regeneration (target.load_for_generation) choose alike."""
+    """dtype=auto on a CPU: bf16 only with native bf16 matmuls, said in the start-up line;
+    --dtype overrides; CUDA is bf16. Training (train.main), eval and regeneration
+    (target.load_for_generation) choose alike."""
     import target
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
