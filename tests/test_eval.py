@@ -802,7 +802,8 @@ def test_cli_bench_one_json_and_plot(saved, llama, tmp_path, capsys):
     target, drafter = llama
     tok, spec = tiny_tokenizer(), _bench_files(tmp_path)
     args = ["--target", str(saved / "target"), "--drafter", str(saved / "drafter"), "--bench", spec,
-            "--max-new-tokens", "12", "--block-size", "4", "--device", "cpu", "--seed", "5"]
+            "--max-new-tokens", "12", "--block-size", "4", "--device", "cpu", "--dtype", "float32",
+            "--seed", "5"]
     res = ev.main(args + ["--out", str(tmp_path / "out")])
     on_disk = json.loads((tmp_path / "out" / "eval.json").read_text())
     assert on_disk["macro"] == res["macro"]
@@ -870,8 +871,8 @@ def test_cli_demo_with_bench(saved, llama, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
     (tmp_path / "chitchat_eval.jsonl").symlink_to(saved / "prompts.jsonl")  # as training's prompts
     spec = "chitchat," + _bench_files(tmp_path).split(",")[0]
-    u, t = ev.main(["--demo", str(run), "--bench", spec, "--device", "cpu", "--max-new-tokens", "8",
-                    "--limit", "2", "--workers", "1"])
+    u, t = ev.main(["--demo", str(run), "--bench", spec, "--device", "cpu", "--dtype", "float32",
+                    "--max-new-tokens", "8", "--limit", "2", "--workers", "1"])
     for name, res in (("untrained", u), ("trained", t)):
         assert json.loads((run / f"eval_{name}" / "eval.json").read_text())["macro"] == res["macro"]
         assert (run / f"eval_{name}" / "eval.png").exists()
