@@ -39,8 +39,9 @@ def tiny_target(arch="llama", seed=0):
 
 def tiny_drafter(target, block_size=16, seed=1, markov_rank=0):
     torch.manual_seed(seed)
-    cfg = drafter_config_from_target(target.config, None, num_layers=2, mask_token=MASK, block_size=block_size,
-                                     target_layer_ids=[1, 2], markov_rank=markov_rank)  # 4 layers: ids set here
+    cfg = drafter_config_from_target(target.config, None, num_hidden_layers=2, mask_token=MASK,
+                                     block_size=block_size, markov_rank=markov_rank,
+                                     target_layer_ids=[1, 2])  # 4 layers: ids set here
     return DFlashDrafter(cfg).eval()
 
 
