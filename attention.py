@@ -83,11 +83,11 @@ def _tiles_to_ordered(tiles_BQT):
 
 
 def _block_mask(anchors_BN, keep_BN, S_t, K, KV, window, mask_mod):
-    """The DFlash BlockMask over KV = S + N*K keys from its tile tables. A KV tile is 'partial' if any
-    row of the Q tile may see any key in it (union of the rows' intervals, by a difference array), and
-    'full' if every row sees all of it (intersection of intervals), so the kernel skips mask evaluation
-    there. Pure tensor ops, no host sync; from_kv_blocks also derives the transposed (per KV tile)
-    tables of the backward."""
+    """The DFlash BlockMask over KV = S + N*K keys from its tile tables. A KV tile is 'partial' if
+    any row of the Q tile may see any key in it (union of the rows' intervals, by a difference
+    array), and 'full' if every row sees all of it (intersection of intervals), so the kernel skips
+    mask evaluation there. Pure tensor ops, no host sync; from_kv_blocks also derives the transposed
+    (per KV tile) tables of the backward."""
     B, dev = anchors_BN.shape[0], anchors_BN.device
     Q = anchors_BN.shape[1] * K
     QT, KVT = -(-Q // TILE), -(-KV // TILE)  # query tiles, key tiles
