@@ -545,14 +545,14 @@ def bench_decode(args):
     drafter = DFlashDrafter(dcfg).to(dev, torch.bfloat16).eval()
     prompt, n = torch.randint(100, 40000, (200,)).tolist(), args.new_tokens
     unwrapped = lambda f: torch.inference_mode()(inspect.unwrap(f))  # noqa: E731 (no decorators)
-    ev.spec_decode(target, drafter, prompt, 32, 16, set())  # warm-up
+    ev.spec_decode(target, drafter, prompt, 16, ev.Decoding(32))  # warm-up
     for label, spec, plain in (("eval (no cuDNN)", ev.spec_decode, ev.plain_decode),
                                ("torch default", unwrapped(ev.spec_decode),
                                 unwrapped(ev.plain_decode))):
         for rep in (1, 2):
             t = dict.fromkeys(ev.TIME_KEYS, 0.0)
-            c = len(spec(target, drafter, prompt, n, 16, set(), times=t)[1])  # verify cycles
-            out = plain(target, prompt, n, set(), times=t)
+            c = len(spec(target, drafter, prompt, 16, ev.Decoding(n), times=t)[1])  # verify cycles
+            out = plain(target, prompt, ev.Decoding(n), times=t)
             cycle = ("draft", "verify", "other")
             row(f"{label}, pass {rep}: spec cycle, block 16",
                 f"{1e3 * sum(t[k] for k in cycle) / c:.1f} ms",
