@@ -287,7 +287,8 @@ def breakdown(row, cfg, side, S, iters, ms_step):
     rows = Rows(out_MD=out, labels_M=labels, valid_M=torch.ones_like(labels, dtype=torch.bool),
                 decay_M=torch.rand(Q, device="cuda"), prev_M=labels, K=K,
                 chunk_rows=(cfg.loss_chunk or cfg.num_anchors) * K)
-    ms_head = cuda_time(lambda: head_loss(rows, side.head, side.drafter, opts)[0].backward(), iters)
+    head = side.tables.head_VD
+    ms_head = cuda_time(lambda: head_loss(rows, head, side.drafter, opts)[0].backward(), iters)
     attn = " + ".join(f"{n} {t[:-10]}" for t, n in types.items())
     rest = ms_step - ms_mask - ms_attn - ms_head
     for name, t in (("BlockMask build (both layer types)", ms_mask),

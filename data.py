@@ -551,15 +551,19 @@ def unique_prompts(lines, n, exclude=frozenset()):
 
 
 def demo_settings(device, world=1):
-    """The demo's settings for `device` (cpu or 1-7 GPUs), `world` processes -> {"corpus", "train", "eval"}."""
+    """The demo's settings for `device` (cpu or 1-7 GPUs), `world` processes -> {"procs", "corpus",
+    "train", "eval"}. procs: the processes launch.sh starts (its one source: it asks here); train's
+    target_ranks and drafter_ranks split the `world` that torchrun then reports."""
     cache = default_cache_dir()
     train = dict(target=str(cache / "smollm2-135m-instruct"), data=str(cache / "chitchat_train.jsonl"),
                  mask_token="<empty_output>", target_features=5, sliding_layers=0, loss_chunk=0, pad_multiple=64)
     if not str(device).startswith("cuda"):
         return dict(
+            # 3 gloo processes: the real recipe's path (point-to-point transfers, a target mesh) on a CPU
+            procs=3,
             # answers of up to 96 tokens (eval decodes 48): regeneration ~2 minutes of a CPU demo under 10 minutes
             corpus=dict(n_train=128, n_eval=32, max_new_tokens=96, batch_size=32, samples=0, sample_temperature=0.8),
-            # all but one process hold the target, one trains (launch.sh starts 3: the real recipe's path over gloo).
+            # all but one process hold the target, one trains.
             # Block 2, every answer position an anchor: on 2 cores the LM head over anchors x block rows is the cost
             # and only offset 1 is accepted this early (BENCHMARKS.md: held-out tau 1.37; block 4 1.18, block 16 1.04)
             train=dict(train, drafter_layers=2, max_length=384, batch_size=4, num_anchors=128, block_size=2, lr=2e-3,
@@ -567,6 +571,7 @@ def demo_settings(device, world=1):
                        drafter_ranks=1),
             eval=dict(limit=8, max_new_tokens=48, workers=min(2, os.cpu_count() or 1)))
     return dict(
+        procs=world,  # one per GPU
         # every distinct train prompt with its greedy answer and 2 sampled ones: greedy answers alone were too little
         # text, memorized by a longer run; T = 1.0 lost to 0.8 (BENCHMARKS.md). batch: records per resumable write;
         # 4 processes per GPU: a 135M model's batched generate is bound by Python and kernel launches, so processes on

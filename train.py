@@ -279,7 +279,7 @@ def drafter_loss(cfg, side, batch, hidden_BSC, m):
     anchors_BN, keep_BN = sample_anchors(batch["loss_mask"], cfg.num_anchors, gen)
     inputs = LossBatch(batch["input_ids"], batch["loss_mask"], hidden_BSC, anchors_BN, keep_BN)
     opts = loss_options(cfg, hidden_BSC.device)
-    return dflash_loss(side.drafter, Tables(side.embed, side.head), inputs, opts)
+    return dflash_loss(side.drafter, side.tables, inputs, opts)
 
 
 @dataclass
@@ -672,8 +672,7 @@ class Drafting:
     """A drafter rank's side of the step, built by build_drafting: what train_drafter reads and
     changes."""
     drafter: DFlashDrafter  # trained
-    embed: torch.Tensor  # [V, D] the target's input embedding, frozen
-    head: torch.Tensor  # [V, D] the target's LM head, frozen (a fused.Float8Head with fp8_head)
+    tables: Tables  # the target's embedding and LM head, frozen (fp8_head: a fused.Float8Head)
     optim: Optimizer
     source: object  # .get(m) -> (batch, hidden states, target seconds): Colocated or Receiver
 
@@ -701,7 +700,7 @@ def build_drafting(cfg, dcfg, d, source, tables=None, state=None):
         if d.leader:
             print("compiling the drafter layers and flex attention: the first steps (two lengths) "
                   "take longer", flush=True)
-    return Drafting(drafter, embed, head, optim, source)
+    return Drafting(drafter, Tables(embed, head), optim, source)
 
 
 def load_data(cfg, d, tokenizer, mask_id):

@@ -608,6 +608,9 @@ def test_demo_settings(monkeypatch, tmp_path):
                                      for k in ("target_ranks", "drafter_ranks"))
     assert [split("cpu", w) for w in (1, 3)] == [(1, 1), (2, 1)]
     assert [split(dev, w) for dev in ("cuda", "cuda:0") for w in (1, 4)] == [(1, 1), (1, 3)] * 2
+    # launch.sh starts what demo_settings says: 3 CPU processes (2 target + 1 drafter), one per GPU
+    assert [data.demo_settings(dev, w)["procs"] for dev, w in (("cpu", 1), ("cuda", 4))] == [3, 4]
+    assert split("cpu", data.demo_settings("cpu")["procs"]) == (2, 1)
     s = data.demo_settings("cpu")
     assert s["train"]["target"] == str(tmp_path / "smollm2-135m-instruct") and s["corpus"]["samples"] == 0
     assert s["train"]["data"] == str(tmp_path / "chitchat_train.jsonl")

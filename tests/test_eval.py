@@ -184,7 +184,7 @@ def _scripted(monkeypatch, target, p, shift):
     right), known 32 tokens past MAX_NEW (the authors' last block reaches past it). Returns the first MAX_NEW."""
     full = p + ev.plain_decode(target, p, ev.Decoding(MAX_NEW + 32, set()))
 
-    def draft(drafter, target_, block, new_hidden, cache, start, temperature, generator):
+    def draft(drafter, target_, block, new_hidden, cache, start, how):
         K = block.shape[1]
         toks = (full[start + 1:start + K] + [0] * K)[:K - 1]
         return (torch.tensor([toks]) + shift) % V, cache
