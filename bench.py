@@ -394,8 +394,9 @@ def bench_target(args):
         sys.modules["fla"] = None
     cfg = config(args, args.model)
     model, ids, shapes, kernels = build_target(args.model, not args.torch_conv)
-    case, dec, ceiling = f"target {args.model} ({kernels})", model.get_decoder(), matmul_ceiling()
-    L, keep, row = dec.config.num_hidden_layers, max(ids) + 1, table(case)
+    case, dec = f"target {args.model} ({kernels})", model.get_decoder()
+    ceiling, row = matmul_ceiling(), table(case)
+    L, keep = dec.config.num_hidden_layers, max(ids) + 1  # layers, the layers the capture path runs
     params = sum(p.numel() for p in dec.layers.parameters()) / 1e9
     print(f"{case}: {L} layers, {params:.2f}B layer params; ours runs layers 0..{keep - 1} and "
           f"captures {ids}; matmul ceiling {ceiling / 1e12:.0f} TFLOP/s")

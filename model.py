@@ -269,13 +269,14 @@ def build_target_layer_ids(num_target_layers, n):
     return [int(round(start + i * (end - start) / (n - 1))) for i in range(n)]
 
 
-def drafter_config_from_target(target_config, tokenizer=None, mask_token=None, num_target_features=None,
-                               **fields):
-    """A drafter config from any HF causal-LM config (nested text_config ok): sizes, heads, rope and vocab
-    from the target, target_layer_ids by the released rule (num_target_features ids; default: one per
-    drafter layer). fields: DrafterConfig fields to set (num_hidden_layers, block_size, layer_types, ...).
-    Mask token: `mask_token` (string or id), else the tokenizer's, else the first unused embedding row
-    (released convention); SmolLM2 has none free: pass e.g. "<empty_output>"."""
+def drafter_config_from_target(target_config, tokenizer=None, mask_token=None,
+                               num_target_features=None, **fields):
+    """A drafter config from any HF causal-LM config (nested text_config ok): sizes, heads, rope
+    and vocab from the target, target_layer_ids by the released rule (num_target_features ids;
+    default: one per drafter layer). fields: DrafterConfig fields to set (num_hidden_layers,
+    block_size, layer_types, ...). Mask token: `mask_token` (string or id), else the tokenizer's,
+    else the first unused embedding row (released convention); SmolLM2 has none free: pass e.g.
+    "<empty_output>"."""
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     L, vocab = tc.num_hidden_layers, tc.vocab_size
     if mask_token is not None:

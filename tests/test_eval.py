@@ -411,8 +411,9 @@ def test_cli_workers_match_one_process(saved, llama, tmp_path, capsys, temperatu
     exactly the results of one in-process evaluate(), greedy and sampled (seeded)."""
     target, drafter = llama
     par = ev.main(["--target", str(saved / "target"), "--drafter", str(saved / "drafter"), "--data",
-                   str(saved / "prompts.jsonl"), "--max_new_tokens", "24", "--block_size", "4", "--device", "cpu",
-                   "--temperature", temperature, "--seed", "3", "--workers", "2", "--out", str(tmp_path)])
+                   str(saved / "prompts.jsonl"), "--max_new_tokens", "24", "--block_size", "4",
+                   "--device", "cpu", "--temperature", temperature, "--seed", "3", "--workers", "2",
+                   "--out", str(tmp_path)])
     one = ev.evaluate(target, tiny_tokenizer(), drafter, ev.read_prompts(saved / "prompts.jsonl"),
                       ev.EvalOptions(24, float(temperature), 4, seed=3))
     for key in EXACT:
@@ -587,8 +588,8 @@ def test_watch_skips_incomplete_and_torn_checkpoints(saved, llama, tmp_path, cap
     (run / "config.json").write_text(json.dumps({"train": {"target": str(saved / "target"),
                                                            "data": str(tmp_path / "gone.jsonl")}}))
     (run / "done.json").write_text("{}")
-    args = ["--watch", str(run), "--data", str(saved / "prompts.jsonl"), "--limit", "1", "--max_new_tokens", "6",
-            "--device", "cpu"]
+    args = ["--watch", str(run), "--data", str(saved / "prompts.jsonl"), "--limit", "1",
+            "--max_new_tokens", "6", "--device", "cpu"]
     rows, pruned, torn = ev.main(args)
     assert [r["ckpt"] for r in rows] == ["init", "ckpt-0000008"] and all(r["lossless"] for r in rows)
     assert pruned == [] and torn == ["ckpt-0000002", "ckpt-0000004", "ckpt-0000006"]

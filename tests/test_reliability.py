@@ -179,7 +179,8 @@ def test_checkpoint_write_failure_keeps_earlier_ones(tmp_path, monkeypatch):
     assert {c: (tmp_path / c / "model.safetensors").read_bytes() for c in checkpoint.list_ckpts(tmp_path)} == before
     with torch.no_grad():
         next(drafter.parameters()).add_(1.0)
-    checkpoint.save_checkpoint(tmp_path, 2, drafter, optim, cfg)  # the same step again: replaced, not lost
+    # the same step again: replaced, not lost
+    checkpoint.save_checkpoint(tmp_path, 2, drafter, optim, cfg)
     assert sorted(os.listdir(tmp_path)) == ["ckpt-0000001", "ckpt-0000002"]
     assert (tmp_path / "ckpt-0000002" / "model.safetensors").read_bytes() != before["ckpt-0000002"]
 
