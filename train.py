@@ -222,10 +222,10 @@ def train(cfg, d, target_config, tokenizer):
         schedule = drafter_schedule(d, cfg.grad_accum, start, total)
         source = Receiver(cfg, d, width, getattr(torch, cfg.dtype), schedule)
     side = build_drafting(cfg, dcfg, d, source, state=state)
-    run = RunState(cfg, d, run_dir, start, total, last_good=resume,
-                   bad_steps=state.get("bad_steps", 0) if state else 0)
     if d.leader:
         open_run_dir(run_dir, side.drafter, start if state else None)
+    run = RunState(cfg, d, run_dir, start, total, last_good=resume,
+                   bad_steps=state.get("bad_steps", 0) if state else 0)
     train_drafter(cfg, d, side, run)
 
 
@@ -301,11 +301,11 @@ class RunState:
     lengths: set = field(default_factory=set)  # padded lengths seen
     window: dict | None = None  # statistics summed over the applied steps since the last log line
     gnorm: float = float("nan")  # of the newest applied step
-    logged: int = 0  # the step of the last log line (start, at first)
-    t_log: float = field(default_factory=time.perf_counter)
+    logged: int = field(init=False)  # the step of the last log line (start, at first)
+    t_log: float = field(init=False)  # when the log interval began
 
     def __post_init__(self):
-        self.logged = self.start
+        self.logged, self.t_log = self.start, time.perf_counter()
 
     def after_step(self, done, s, gnorm, lr, applied, length):
         """Book optimizer step `done` (1-based): add an applied one to the log interval, count a
