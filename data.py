@@ -16,6 +16,7 @@ import re
 import shutil
 import time
 from collections import Counter
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -395,40 +396,57 @@ def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs, max_ba
     return answers, n_tokens, unfinished, sum(n + max_new_tokens > context for n in lengths)
 
 
-def regenerate(model, tokenizer, in_path, out_path, batch_size=16, max_new_tokens=512, rank=0, world=1,
-               skip_invalid=False, temperature=0.0, seed=0, **template_kwargs):
+@dataclass(frozen=True)
+class RegenOptions:
+    """How regenerate answers, alike in every worker."""
+    batch_size: int = 16  # records per batch (a resumable write)
+    max_new_tokens: int = 512  # per answer
+    temperature: float = 0.0  # 0: greedy; > 0: sampled (plain softmax), seeded by record
+    seed: int = 0  # with temperature: the batch seeds start here
+    skip_invalid: bool = False  # skip (and count) broken records instead of stopping at the first
+    template_kwargs: dict = field(default_factory=dict)  # the chat template's, e.g. enable_thinking
+
+
+def regenerate(model, tokenizer, in_path, out_path, opts=RegenOptions(), rank=0, world=1):
     """Rewrite every assistant turn of `in_path` in order, given the regenerated history, with the target's greedy
     answer (temperature > 0: sampled, seeded by record), appending one to a bare prompt. Records rank::world go, a
     batch at a time, to `<out>.part{rank}of{world}`; a rerun resumes there."""
     report = Report(in_path)  # a conversation the template would refuse at generation is refused at reading
-    recs = _read(in_path, report, skip_invalid, False, tokenizer,
-                 lambda m: _render(tokenizer, m, m[-1]["role"] != "assistant", template_kwargs))
+    recs = _read(in_path, report, opts.skip_invalid, False, tokenizer,
+                 lambda m: _render(tokenizer, m, m[-1]["role"] != "assistant",
+                                   opts.template_kwargs))
     mine, part = report.kept(list(recs), "valid conversations")[rank::world], Path(f"{out_path}.part{rank}of{world}")
     print(report.summary())
     done = part.read_bytes() if part.exists() else b""
     part.write_bytes(done[:done.rfind(b"\n") + 1])  # cut a torn last line left by a crash; resume after the rest
     stats = Counter(records=len(mine), resumed_at=done.count(b"\n"), seconds=0.0)
     with open(part, "a", encoding="utf-8") as f:
-        for b in range(stats["resumed_at"], len(mine), batch_size):
-            convs = [[dict(m) for m in msgs] for _, _, msgs, _ in mine[b:b + batch_size]]
+        for b in range(stats["resumed_at"], len(mine), opts.batch_size):
+            convs = [[dict(m) for m in msgs] for _, _, msgs, _ in mine[b:b + opts.batch_size]]
             for c in convs:
                 if c[-1]["role"] != "assistant":  # a bare prompt: answer it
                     c.append({"role": "assistant", "content": ""})
             todo = [[i for i, m in enumerate(c) if m["role"] == "assistant"] for c in convs]
-            torch.manual_seed(seed + b * world + rank)  # record b of this rank is record b*world+rank of the file
+            # record b of this rank is record b*world+rank of the file
+            torch.manual_seed(opts.seed + b * world + rank)
             while any(todo):  # round r regenerates the r-th assistant turn of every record that has one
                 rows, t0 = [(c, t.pop(0)) for c, t in zip(convs, todo) if t], time.perf_counter()
-                answers, n, unfinished, over = _generate(model, tokenizer, [c[:i] for c, i in rows], max_new_tokens,
-                                                         template_kwargs, temperature=temperature)  # synced: .tolist()
+                prompts = [c[:i] for c, i in rows]
+                # synced inside (.tolist()): the seconds below are the generation's
+                answers, n, unfinished, over = _generate(
+                    model, tokenizer, prompts, opts.max_new_tokens, opts.template_kwargs,
+                    temperature=opts.temperature)
                 stats.update(seconds=time.perf_counter() - t0, tokens=n, unfinished=unfinished, over_context=over)
                 if over:  # kept (the record stays whole), but said: such an answer is not the model's usual text
-                    print(f"regenerate rank {rank}/{world}: WARNING {over} prompt(s) of records {b}-"
-                          f"{b + len(convs) - 1} (of this rank) + {max_new_tokens} new tokens pass the target's "
-                          f"context of {model.config.max_position_embeddings} positions; answers kept, counted in "
-                          "over_context")
+                    context = model.config.max_position_embeddings
+                    print(f"regenerate rank {rank}/{world}: WARNING {over} prompt(s) of records "
+                          f"{b}-{b + len(convs) - 1} (of this rank) + {opts.max_new_tokens} new "
+                          f"tokens pass the target's context of {context} positions; answers kept, "
+                          "counted in over_context")
                 for (c, i), a in zip(rows, answers):
                     c[i]["content"] = a
-            for (_, raw, _, _), c in zip(mine[b:b + batch_size], convs):  # the record, its answers replaced
+            # the record, its answers replaced
+            for (_, raw, _, _), c in zip(mine[b:b + opts.batch_size], convs):
                 key, ck = ("messages", "content") if "messages" in raw else ("conversations", "value")
                 turns = [dict(t, **{ck: m["content"]}) if m["role"] == "assistant" else t for t, m in zip(raw[key], c)]
                 if len(c) > len(turns):  # a bare prompt's new turn
@@ -436,7 +454,8 @@ def regenerate(model, tokenizer, in_path, out_path, batch_size=16, max_new_token
                                  else {"from": "gpt", "value": c[-1]["content"]})
                 f.write(json.dumps(dict(raw, **{key: turns}), ensure_ascii=False) + "\n")
             f.flush()
-            print(f"regenerate rank {rank}/{world}: {min(b + batch_size, len(mine))}/{len(mine)} records, "
+            written = min(b + opts.batch_size, len(mine))
+            print(f"regenerate rank {rank}/{world}: {written}/{len(mine)} records, "
                   f"{stats['tokens'] / max(stats['seconds'], 1e-9):.0f} generated tok/s")
     return dict(stats, tok_per_s=stats["tokens"] / max(stats["seconds"], 1e-9))
 
@@ -479,26 +498,27 @@ def spawn_workers(fn, n, args=(), keep=()):
         raise next((c for c in keep if f"{c.__name__}: " in str(e)), RuntimeError)(str(e).strip()) from None
 
 
-def _regen_worker(rank, world, model_path, in_path, out_path, device, dtype, kw):
+def _regen_worker(rank, world, paths, device, dtype, opts):
+    model_path, in_path, out_path = paths
     if device == "cuda":  # more workers than GPUs: they share the GPUs round-robin
         device = f"cuda:{rank % torch.cuda.device_count()}"
     else:  # CPU workers share the cores instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     model, tokenizer = load_for_generation(model_path, device, dtype)
-    stats = regenerate(model, tokenizer, in_path, out_path, rank=rank, world=world, **kw)
+    stats = regenerate(model, tokenizer, in_path, out_path, opts, rank=rank, world=world)
     print(f"regenerate rank {rank}: {json.dumps({k: round(v, 2) for k, v in stats.items()})}")
 
 
-def regenerate_file(model_path, in_path, out_path, device="cpu", procs=None, dtype=None, **kw):
-    """Regenerate in_path into out_path, if absent (a rerun resumes), in `procs` processes on
-    disjoint shards. dtype: a torch dtype's name; None: default_dtype(device)."""
+def regenerate_file(model_path, in_path, out_path, opts, device="cpu", procs=None, dtype=None):
+    """Regenerate in_path into out_path (RegenOptions opts), if absent (a rerun resumes), in `procs`
+    processes on disjoint shards. dtype: a torch dtype's name; None: default_dtype(device)."""
     if Path(out_path).exists():
         print(f"{out_path} exists, skipping regeneration")
     else:
         world = procs or (max(1, torch.cuda.device_count()) if device == "cuda" else 1)
         dtype, why = (getattr(torch, dtype), "--dtype") if dtype else default_dtype(device)
         print(f"regenerating {in_path} in {str(dtype).removeprefix('torch.')} ({why})", flush=True)
-        args = (world, model_path, in_path, out_path, device, dtype, kw)
+        args = (world, (model_path, in_path, out_path), device, dtype, opts)
         spawn_workers(_regen_worker, world, args)
         merge_parts(out_path, world)
     return Path(out_path)
@@ -555,15 +575,19 @@ def unique_prompts(lines, n, exclude=frozenset()):
 
 
 def demo_settings(device, world=1):
-    """The demo's settings for `device` (cpu or 1-7 GPUs), `world` processes -> {"corpus", "train", "eval"}."""
+    """The demo's settings for `device` (cpu or 1-7 GPUs), `world` processes -> {"procs", "corpus",
+    "train", "eval"}. procs: the processes launch.sh starts (its one source: it asks here); train's
+    target_ranks and drafter_ranks split the `world` that torchrun then reports."""
     cache = default_cache_dir()
     train = dict(target=str(cache / "smollm2-135m-instruct"), data=str(cache / "chitchat_train.jsonl"),
                  mask_token="<empty_output>", target_features=5, sliding_layers=0, loss_chunk=0, pad_multiple=64)
     if not str(device).startswith("cuda"):
         return dict(
+            # 3 gloo processes: the real recipe's path (point-to-point sends, a target mesh) on CPU
+            procs=3,
             # answers of up to 96 tokens (eval decodes 48): regeneration ~2 minutes of a CPU demo under 10 minutes
             corpus=dict(n_train=128, n_eval=32, max_new_tokens=96, batch_size=32, samples=0, sample_temperature=0.8),
-            # all but one process hold the target, one trains (launch.sh starts 3: the real recipe's path over gloo).
+            # all but one process hold the target, one trains.
             # Block 2, every answer position an anchor: on 2 cores the LM head over anchors x block rows is the cost
             # and only offset 1 is accepted this early (BENCHMARKS.md: held-out tau 1.37; block 4 1.18, block 16 1.04)
             train=dict(train, drafter_layers=2, max_length=384, batch_size=4, num_anchors=128, block_size=2, lr=2e-3,
@@ -571,6 +595,7 @@ def demo_settings(device, world=1):
                        drafter_ranks=1),
             eval=dict(limit=8, max_new_tokens=48, workers=min(2, os.cpu_count() or 1)))
     return dict(
+        procs=world,  # one per GPU
         # every distinct train prompt with its greedy answer and 2 sampled ones: greedy answers alone were too little
         # text, memorized by a longer run; T = 1.0 lost to 0.8 (BENCHMARKS.md). batch: records per resumable write;
         # 4 processes per GPU: a 135M model's batched generate is bound by Python and kernel launches, so processes on
@@ -587,11 +612,13 @@ def demo_settings(device, world=1):
         eval=dict(limit=64, max_new_tokens=256, workers=min(8, max(1, (os.cpu_count() or 1) // 2))))
 
 
-def prepare_demo(cache_dir=None, n_train=None, n_eval=None, max_new_tokens=None, device="cpu", batch_size=None,
-                 gguf=None, samples=None, sample_temperature=None, dtype=None):
-    """Build or find the demo corpus -> {"target", "train", "eval", "mask_token_id"}; sizes left None: demo_settings."""
-    given = dict(locals())  # the arguments, by name
-    s = {k: v if given.get(k) is None else given[k] for k, v in demo_settings(device)["corpus"].items()}
+def prepare_demo(cache_dir=None, device="cpu", gguf=None, dtype=None, **settings):
+    """Build or find the demo corpus -> {"target", "train", "eval", "mask_token_id"}. `settings`
+    override demo_settings' corpus ones (None: the default; an unknown name: error)."""
+    s = demo_settings(device)["corpus"]
+    if unknown := sorted(set(settings) - set(s)):
+        raise ValueError(f"unknown demo corpus settings {unknown}; known: {sorted(s)}")
+    s.update({k: v for k, v in settings.items() if v is not None})
     if s["samples"] > 0 and not s["sample_temperature"] > 0:
         raise ValueError(f"sample_temperature={s['sample_temperature']}: sampled answers need a temperature > 0 "
                          f"(the greedy answers are already in the corpus)")
@@ -611,16 +638,17 @@ def prepare_demo(cache_dir=None, n_train=None, n_eval=None, max_new_tokens=None,
             _write_atomic(f, kept)
     train = cache / f"chitchat_train_u{s['n_train']}_m{s['max_new_tokens']}.jsonl"
     procs = s["procs_per_gpu"] * max(1, torch.cuda.device_count()) if device == "cuda" else None
-    kw = dict(batch_size=s["batch_size"], max_new_tokens=s["max_new_tokens"], dtype=dtype)
-    regenerate_file(target, subsets["train"], train, device, procs, **kw)
+    opts = RegenOptions(batch_size=s["batch_size"], max_new_tokens=s["max_new_tokens"])
+    regenerate_file(target, subsets["train"], train, opts, device, procs, dtype)
     if s["samples"] > 0:  # the prompts `samples` times more (ids made distinct), answered at the temperature
         greedy, train = train, train.with_name(f"{train.stem}_t{s['sample_temperature']:g}x{s['samples']}.jsonl")
         if not train.exists():
             src, recs = train.with_name(f"{train.stem}.prompts.jsonl"), _jsonl_lines(subsets["train"])
             _write_atomic(src, (json.dumps(dict(r, id=f"{r.get('id', '')}#s{k + 1}"), ensure_ascii=False)
                                 for k in range(s["samples"]) for r in map(json.loads, recs)))
-            sampled = regenerate_file(target, src, train.with_name(f"{train.stem}.sampled.jsonl"), device, procs,
-                                      temperature=s["sample_temperature"], **kw)
+            sampled_opts = replace(opts, temperature=s["sample_temperature"])
+            sampled = regenerate_file(target, src, train.with_name(f"{train.stem}.sampled.jsonl"),
+                                      sampled_opts, device, procs, dtype)
             _write_atomic(train, _jsonl_lines(greedy) + _jsonl_lines(sampled))
             os.remove(src)
     # files are named by their sizes (a CPU and a GPU corpus can share a cache); fixed names link the latest build
@@ -665,10 +693,9 @@ def main(argv=None):
     if a.cmd == "demo":
         print(prepare_demo(**{k: v for k, v in vars(a).items() if k != "cmd"}))
     elif a.cmd == "regenerate":
-        regenerate_file(a.model, a.data, a.out, a.device, a.procs, a.dtype,
-                        batch_size=a.batch_size or 16,
-                        max_new_tokens=a.max_new_tokens or 512, skip_invalid=a.skip_invalid,
-                        temperature=a.temperature, seed=a.seed, **a.chat_kwargs)
+        opts = RegenOptions(a.batch_size or 16, a.max_new_tokens or 512, a.temperature, a.seed,
+                            a.skip_invalid, a.chat_kwargs)
+        regenerate_file(a.model, a.data, a.out, opts, a.device, a.procs, a.dtype)
     else:
         tok = load_tokenizer(a.model)
         t0, c0 = time.perf_counter(), time.process_time()  # CPU time too: shared machines skew wall time

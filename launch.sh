@@ -40,8 +40,10 @@ if [ "$NGPU" -ge 8 ] || [ "$NNODES" -gt 1 ]; then
   run "$NGPU" --out_dir="$OUT" "$@"
   exit
 fi
-DEV=cpu; NPROC=3  # CPU: 3 gloo processes (the demo settings make them 2 target + 1 drafter ranks)
-if [ "$NGPU" -ge 1 ]; then DEV=cuda; NPROC=$NGPU; fi
+DEV=cpu
+if [ "$NGPU" -ge 1 ]; then DEV=cuda; fi
+# how many processes the demo starts, and their roles, is data.demo_settings' to say
+NPROC=$("$PY" -c "import data; print(data.demo_settings('$DEV', $NGPU)['procs'])")
 RUN=${DFLASH_RUN:-demo-$(date +%Y%m%d-%H%M%S)}  # a new run directory each time (train.py refuses to mix runs)
 "$PY" data.py demo --device "$DEV"
 run "$NPROC" --preset=demo --device="$DEV" --out_dir="$OUT" --run_name="$RUN" "$@"

@@ -279,11 +279,14 @@ def build_target_layer_ids(num_target_layers, n):
     return [int(round(start + i * (end - start) / (n - 1))) for i in range(n)]
 
 
-def drafter_config_from_target(target_config, tokenizer=None, num_layers=5, num_target_features=None,
-                               block_size=16, mask_token=None, layer_types=None, sliding_window=None, **overrides):
-    """A drafter config from any HF causal-LM config (nested text_config ok): sizes, heads, rope and vocab from the
-    target, target_layer_ids by the released rule. Mask token: `mask_token` (string or id), else the tokenizer's,
-    else the first unused embedding row (released convention); SmolLM2 has none free: pass e.g. "<empty_output>"."""
+def drafter_config_from_target(target_config, tokenizer=None, mask_token=None,
+                               num_target_features=None, **fields):
+    """A drafter config from any HF causal-LM config (nested text_config ok): sizes, heads, rope
+    and vocab from the target, target_layer_ids by the released rule (num_target_features ids;
+    default: one per drafter layer). fields: DrafterConfig fields to set (num_hidden_layers,
+    block_size, layer_types, ...). Mask token: `mask_token` (string or id), else the tokenizer's,
+    else the first unused embedding row (released convention); SmolLM2 has none free: pass e.g.
+    "<empty_output>"."""
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     L, vocab = tc.num_hidden_layers, tc.vocab_size
     if mask_token is not None:
@@ -304,14 +307,15 @@ def drafter_config_from_target(target_config, tokenizer=None, num_layers=5, num_
         scaling = None  # mrope/partial rotary belong to the target's own attention; the drafter is plain Qwen3
     if scaling is not None:
         scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
-    cfg = dict(hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_hidden_layers=num_layers,
+    n_ids = num_target_features or fields.get("num_hidden_layers", DrafterConfig.num_hidden_layers)
+    cfg = dict(hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
                num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
                head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
-               vocab_size=vocab, rms_norm_eps=tc.rms_norm_eps, rope_theta=float(theta), rope_scaling=scaling,
-               max_position_embeddings=tc.max_position_embeddings, block_size=block_size, num_target_layers=L,
-               target_layer_ids=build_target_layer_ids(L, num_target_features or num_layers), mask_token_id=mask_id,
-               layer_types=layer_types, sliding_window=sliding_window)
-    return DrafterConfig(**(cfg | overrides))
+               vocab_size=vocab, rms_norm_eps=tc.rms_norm_eps, rope_theta=float(theta),
+               rope_scaling=scaling, max_position_embeddings=tc.max_position_embeddings,
+               num_target_layers=L, target_layer_ids=build_target_layer_ids(L, n_ids),
+               mask_token_id=mask_id)
+    return DrafterConfig(**(cfg | fields))
 
 
 # ----------------------------------------------------------------------------- the drafter

@@ -235,7 +235,7 @@ def test_control_tokens_in_content_refused(tmp_path, target_dir, tiny):
             data.load_tokenized(path, tok, 64)
         assert len(data.load_tokenized(path, tok, 64, skip_invalid=True)) == 1
         with pytest.raises(ValueError, match="c.jsonl:2: control token in content"):
-            data.regenerate(*tiny, path, tmp_path / "o.jsonl", max_new_tokens=2)
+            data.regenerate(*tiny, path, tmp_path / "o.jsonl", data.RegenOptions(max_new_tokens=2))
     assert data.read_conversations(path)[0][1] == conv  # text alone: reading without a tokenizer keeps it
 
 
@@ -410,7 +410,8 @@ def test_regenerate_equals_hf_greedy_on_chitchat(tmp_path, target):
     _, prompts, _ = data.write_chitchat(tmp_path)
     src = tmp_path / "p.jsonl"
     src.write_text("".join(prompts.read_text().splitlines(keepends=True)[:5]))
-    stats = data.regenerate(model, tok, src, tmp_path / "o.jsonl", batch_size=3, max_new_tokens=24)
+    stats = data.regenerate(model, tok, src, tmp_path / "o.jsonl",
+                            data.RegenOptions(batch_size=3, max_new_tokens=24))
     data.merge_parts(tmp_path / "o.jsonl", 1)
     assert stats["tokens"] > 0 and stats["records"] == 5
     ins = [json.loads(x) for x in src.read_text().splitlines()]
@@ -437,7 +438,8 @@ def test_regenerate_multiturn_sharegpt(tmp_path, tiny):
                                         {"from": "gpt", "value": "old 1"}, {"from": "human", "value": "More"},
                                         {"from": "gpt", "value": "old 2"}]}
     (tmp_path / "in.jsonl").write_text(json.dumps(rec) + "\n")
-    data.regenerate(model, tok, tmp_path / "in.jsonl", tmp_path / "out.jsonl", max_new_tokens=6)
+    data.regenerate(model, tok, tmp_path / "in.jsonl", tmp_path / "out.jsonl",
+                    data.RegenOptions(max_new_tokens=6))
     out = json.loads((tmp_path / "out.jsonl.part0of1").read_text())
     turns = out["conversations"]
     assert out["id"] == "x" and [t["from"] for t in turns] == ["system", "human", "gpt", "human", "gpt"]
@@ -464,21 +466,21 @@ def test_regenerate_resume_and_shards(tmp_path, tiny):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"}]}) + "\n"
                            for i in range(5)))
-    kw = dict(batch_size=1, max_new_tokens=5)
-    data.regenerate(model, tok, src, tmp_path / "one.jsonl", **kw)
+    opts = data.RegenOptions(batch_size=1, max_new_tokens=5)
+    data.regenerate(model, tok, src, tmp_path / "one.jsonl", opts)
     data.merge_parts(tmp_path / "one.jsonl", 1)
     ref = (tmp_path / "one.jsonl").read_text()
     # a crash after two records and half of a third
     part = tmp_path / "res.jsonl.part0of1"
     lines = ref.splitlines(keepends=True)
     part.write_text(lines[0] + lines[1] + lines[2][:10])
-    stats = data.regenerate(model, tok, src, tmp_path / "res.jsonl", **kw)
+    stats = data.regenerate(model, tok, src, tmp_path / "res.jsonl", opts)
     assert stats["resumed_at"] == 2 and stats["tokens"] == 3 * 5
     data.merge_parts(tmp_path / "res.jsonl", 1)
     assert (tmp_path / "res.jsonl").read_text() == ref
     # two ranks, disjoint shards, merged back into input order
     for r in range(2):
-        data.regenerate(model, tok, src, tmp_path / "two.jsonl", rank=r, world=2, **kw)
+        data.regenerate(model, tok, src, tmp_path / "two.jsonl", opts, rank=r, world=2)
     assert len((tmp_path / "two.jsonl.part0of2").read_text().splitlines()) == 3
     data.merge_parts(tmp_path / "two.jsonl", 2)
     assert (tmp_path / "two.jsonl").read_text() == ref
@@ -513,7 +515,8 @@ def test_regenerate_sampled_is_seeded_and_resumes(tmp_path, tiny):
 
     def run(name, world=1, **extra):
         for r in range(world):
-            data.regenerate(model, tok, src, tmp_path / name, rank=r, world=world, **kw, **extra)
+            data.regenerate(model, tok, src, tmp_path / name, data.RegenOptions(**kw, **extra),
+                            rank=r, world=world)
         data.merge_parts(tmp_path / name, world)
         return [json.loads(x)["messages"][1]["content"] for x in (tmp_path / name).read_text().splitlines()]
 
@@ -609,6 +612,9 @@ def test_demo_settings(monkeypatch, tmp_path):
                                      for k in ("target_ranks", "drafter_ranks"))
     assert [split("cpu", w) for w in (1, 3)] == [(1, 1), (2, 1)]
     assert [split(dev, w) for dev in ("cuda", "cuda:0") for w in (1, 4)] == [(1, 1), (1, 3)] * 2
+    # launch.sh starts what demo_settings says: 3 CPU processes (2 target + 1 drafter), one per GPU
+    assert [data.demo_settings(dev, w)["procs"] for dev, w in (("cpu", 1), ("cuda", 4))] == [3, 4]
+    assert split("cpu", data.demo_settings("cpu")["procs"]) == (2, 1)
     s = data.demo_settings("cpu")
     assert s["train"]["target"] == str(tmp_path / "smollm2-135m-instruct") and s["corpus"]["samples"] == 0
     assert s["train"]["data"] == str(tmp_path / "chitchat_train.jsonl")
@@ -670,7 +676,8 @@ def test_regenerate_counts_prompts_past_the_context(tmp_path, tiny, capsys):
                                              add_generation_prompt=True), add_special_tokens=False)["input_ids"])
     context, model.config.max_position_embeddings = model.config.max_position_embeddings, n_long + 2
     try:  # 4 new tokens pass the context for the long prompt only
-        stats = data.regenerate(model, tok, src, tmp_path / "o.jsonl", batch_size=2, max_new_tokens=4)
+        stats = data.regenerate(model, tok, src, tmp_path / "o.jsonl",
+                                data.RegenOptions(batch_size=2, max_new_tokens=4))
     finally:
         model.config.max_position_embeddings = context
     assert stats["over_context"] == 1

@@ -524,8 +524,8 @@ def test_config_from_target():
                     num_key_value_heads=2, vocab_size=300, rope_theta=5e5,
                     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-    c = drafter_config_from_target(l, _tokenizer(250), num_layers=3, layer_types=["sliding_attention"] * 3,
-                                   sliding_window=64)
+    c = drafter_config_from_target(l, _tokenizer(250), num_hidden_layers=3,
+                                   layer_types=["sliding_attention"] * 3, sliding_window=64)
     assert c.rope_scaling["rope_type"] == "llama3" and c.target_layer_ids == [1, 7, 13] and c.head_dim == 16
 
 

@@ -166,20 +166,21 @@ def test_checkpoint_write_failure_keeps_earlier_ones(tmp_path, monkeypatch):
     drafter = DFlashDrafter(dcfg)
     optim = train.Optimizer(cfg, drafter, d)
     for step in (1, 2):
-        checkpoint.save_checkpoint(tmp_path, step, drafter, optim, cfg, step)
+        checkpoint.save_checkpoint(tmp_path, step, drafter, optim, cfg)
     before = {c: (tmp_path / c / "model.safetensors").read_bytes() for c in checkpoint.list_ckpts(tmp_path)}
 
     def full_disk(*a, **k):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(torch, "save", full_disk)
     with pytest.raises(OSError, match="No space left"):
-        checkpoint.save_checkpoint(tmp_path, 3, drafter, optim, cfg, 3)
+        checkpoint.save_checkpoint(tmp_path, 3, drafter, optim, cfg)
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["ckpt-0000001", "ckpt-0000002"]  # no torn ckpt-3, no .tmp
     assert {c: (tmp_path / c / "model.safetensors").read_bytes() for c in checkpoint.list_ckpts(tmp_path)} == before
     with torch.no_grad():
         next(drafter.parameters()).add_(1.0)
-    checkpoint.save_checkpoint(tmp_path, 2, drafter, optim, cfg, 2)  # the same step again: replaced, not lost
+    # the same step again: replaced, not lost
+    checkpoint.save_checkpoint(tmp_path, 2, drafter, optim, cfg)
     assert sorted(os.listdir(tmp_path)) == ["ckpt-0000001", "ckpt-0000002"]
     assert (tmp_path / "ckpt-0000002" / "model.safetensors").read_bytes() != before["ckpt-0000002"]
 
