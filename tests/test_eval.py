@@ -281,8 +281,8 @@ def test_decoding_raises_no_deprecation_warning(monkeypatch, arch):
         with warnings.catch_warnings():
             warnings.simplefilter("error", DeprecationWarning)
             warnings.simplefilter("error", FutureWarning)
-            ev.spec_decode(target, drafter, p, 12, 4, set())
-            ev.plain_decode(target, p, 12, set())
+            ev.spec_decode(target, drafter, p, 4, ev.Decoding(12))
+            ev.plain_decode(target, p, ev.Decoding(12))
             chats = [[{"role": "user", "content": "w7 w8"}]] * 2
             data._generate(target, tiny_tokenizer(), chats, 6, {})
     finally:
