@@ -46,6 +46,8 @@ MAX_LINE_BYTES = 16 << 20  # a longer JSONL line is refused unparsed: room for M
 READ_CHUNK = 1 << 20  # bytes of a JSON array decoded at a time: a read holds a chunk and the record being parsed
 SMOLLM2_MASK_TOKEN_ID = 16  # `<empty_output>`: SmolLM2 has no spare embedding row; a special token chat never uses
 CACHE_VERSION = 2  # bump when the tokenized format or the masking rule changes
+GENERATE_BATCH_TOKENS = 131072  # prompt + answer tokens (padding included) of one generate call
+STATIC_MIN_PROMPT, STATIC_MAX_PROMPT = 64, 2048  # static cache: prompts padded to powers of two in this range
 BUCKET_BATCHES = 64  # Batcher sorts windows of this many batches by length: less padding, batch order still random
 _WS = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a lone surrogate can only come from such an escape
@@ -448,30 +450,51 @@ class Batcher:
 
 
 # ----------------------------------------------------------------------------- regeneration: the target's own answers
+def _sub_batches(lengths, max_new_tokens, cache):
+    """Prompt indices in sub-batches of similar length, each with its padded prompt length P and its rows: every
+    sub-batch holds <= GENERATE_BATCH_TOKENS tokens of prompt + answer, so one long prompt (chitchat has 24k-token
+    ones) never pads a whole batch. cache "dynamic": P and rows are the sub-batch's own. "static": P is a power of two
+    from STATIC_MIN_PROMPT and rows a power of two (repeats fill the last sub-batch of a length up to the next one),
+    so the compiled forward meets few shapes; a prompt past STATIC_MAX_PROMPT would be a shape of its own: it goes
+    dynamic."""
+    out = []  # [indices, P, rows]
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        L = lengths[i]
+        if cache == "static" and L <= STATIC_MAX_PROMPT:
+            P = max(STATIC_MIN_PROMPT, 1 << (L - 1).bit_length())
+            rows = 1 << (max(1, GENERATE_BATCH_TOKENS // (P + max_new_tokens)).bit_length() - 1)
+            if not (out and out[-1][1] == P and out[-1][2] == rows and len(out[-1][0]) < rows):
+                out.append([[], P, rows])
+        elif not out or out[-1][2] != 0 or (len(out[-1][0]) + 1) * (L + max_new_tokens) > GENERATE_BATCH_TOKENS:
+            out.append([[], None, 0])  # P None and rows 0: dynamic, the prompts as they come (sorted: the last longest)
+        out[-1][0].append(i)
+    for g in out:  # a part-filled static sub-batch: the next power of two rows, not all of them
+        g[2] = min(g[2], 1 << (len(g[0]) - 1).bit_length())
+    return out
+
+
 @torch.no_grad()
-def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs, max_batch_tokens=131072, temperature=0.0):
+def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs, temperature=0.0, cache="dynamic"):
     """Greedy (or plain-softmax sampled) answers, cut before eos or any other control token -> (answers, #tokens,
-    #unfinished, #prompts + max_new_tokens past the context). Sub-batches by length hold <= max_batch_tokens padded
-    tokens: one long prompt (chitchat has 24k-token ones) never pads a whole batch."""
+    #unfinished, #prompts + max_new_tokens past the context), in _sub_batches, left-padded. cache "static":
+    transformers' static KV cache, whose forward transformers compiles on a GPU (torch.compile, CUDA graphs: a 135M
+    target's step is otherwise Python and kernel launches); "dynamic": its default cache, eager."""
     texts = [_render(tokenizer, p, True, template_kwargs) for p in prompts]
     lengths = [len(x) for x in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     context = getattr(model.config, "max_position_embeddings", None) or float("inf")
-    groups = [[]]
-    for i in sorted(range(len(texts)), key=lambda i: lengths[i]):
-        if groups[-1] and (len(groups[-1]) + 1) * (lengths[i] + max_new_tokens) > max_batch_tokens:
-            groups.append([])
-        groups[-1].append(i)
     # a control token is never answer text (reading refuses it in content): an answer ends at the first one
     stop = {tokenizer.eos_token_id, *tokenizer.all_special_ids, *tokenizer.added_tokens_decoder}
     sample = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
     answers, n_tokens, unfinished = [None] * len(texts), 0, 0
-    for g in groups:
-        enc = tokenizer([texts[i] for i in g], add_special_tokens=False, padding=True, padding_side="left",
-                        return_tensors="pt").to(model.device)
+    for g, P, rows in _sub_batches(lengths, max_new_tokens, cache):
+        batch = [texts[i] for i in g] + [texts[g[0]]] * (rows - len(g))  # static: repeats fill the rows
+        enc = tokenizer(batch, add_special_tokens=False, padding="max_length" if P else True, max_length=P,
+                        padding_side="left", return_tensors="pt").to(model.device)
         with sdpa_kernel(NO_CUDNN):  # the key length grows every step: cuDNN would rebuild its plan each time
             out = model.generate(**enc, **(sample or dict(do_sample=False)), max_new_tokens=max_new_tokens,
-                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        for i, row in zip(g, out[:, enc["input_ids"].shape[1]:].tolist()):
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                 **(dict(cache_implementation="static") if P else {}))
+        for i, row in zip(g, out[:, enc["input_ids"].shape[1]:].tolist()):  # the repeats' answers are dropped
             n = next((k for k, t in enumerate(row) if t in stop), len(row))
             unfinished, n_tokens = unfinished + (n == len(row)), n_tokens + min(n + 1, len(row))
             answers[i] = tokenizer.decode(row[:n], skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -479,10 +502,10 @@ def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs, max_ba
 
 
 def regenerate(model, tokenizer, in_path, out_path, batch_size=16, max_new_tokens=512, rank=0, world=1,
-               skip_invalid=False, temperature=0.0, seed=0, **template_kwargs):
+               skip_invalid=False, temperature=0.0, seed=0, cache="dynamic", **template_kwargs):
     """Rewrite every assistant turn of `in_path` in order, given the regenerated history, with the target's greedy
-    answer (temperature > 0: sampled, seeded by record), appending one to a bare prompt. Records rank::world go, a
-    batch at a time, to `<out>.part{rank}of{world}`; a rerun resumes there."""
+    answer (temperature > 0: sampled, seeded by record), appending one to a bare prompt, through _generate's `cache`.
+    Records rank::world go, a batch at a time, to `<out>.part{rank}of{world}`; a rerun resumes there."""
     report = Report(in_path)  # a conversation the template would refuse at generation is refused at reading
     recs = _read(in_path, report, skip_invalid, False, tokenizer,
                  lambda m: _render(tokenizer, m, m[-1]["role"] != "assistant", template_kwargs))
@@ -502,7 +525,7 @@ def regenerate(model, tokenizer, in_path, out_path, batch_size=16, max_new_token
             while any(todo):  # round r regenerates the r-th assistant turn of every record that has one
                 rows, t0 = [(c, t.pop(0)) for c, t in zip(convs, todo) if t], time.perf_counter()
                 answers, n, unfinished, over = _generate(model, tokenizer, [c[:i] for c, i in rows], max_new_tokens,
-                                                         template_kwargs, temperature=temperature)  # synced: .tolist()
+                                                         template_kwargs, temperature, cache)  # synced: .tolist()
                 stats.update(seconds=time.perf_counter() - t0, tokens=n, unfinished=unfinished, over_context=over)
                 if over:  # kept (the record stays whole), but said: such an answer is not the model's usual text
                     print(f"regenerate rank {rank}/{world}: WARNING {over} prompt(s) of records {b}-"
@@ -519,8 +542,10 @@ def regenerate(model, tokenizer, in_path, out_path, batch_size=16, max_new_token
                                  else {"from": "gpt", "value": c[-1]["content"]})
                 f.write(json.dumps(dict(raw, **{key: turns}), ensure_ascii=False) + "\n")
             f.flush()
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # static on a GPU: compiled, or said
             print(f"regenerate rank {rank}/{world}: {min(b + batch_size, len(mine))}/{len(mine)} records, "
-                  f"{stats['tokens'] / max(stats['seconds'], 1e-9):.0f} generated tok/s")
+                  f"{stats['tokens'] / max(stats['seconds'], 1e-9):.0f} generated tok/s, {cache} cache, "
+                  f"{graphs} compiled graphs")
     return dict(stats, tok_per_s=stats["tokens"] / max(stats["seconds"], 1e-9))
 
 
@@ -729,6 +754,8 @@ def main(argv=None):
     r.add_argument("--procs", type=int, help="worker processes (default: all visible GPUs with cuda)")
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = sampled (plain softmax)")
     r.add_argument("--seed", type=int, default=0, help="with --temperature: batch seeds start here")
+    r.add_argument("--cache", choices=["static", "dynamic"], help="KV cache (default: static with cuda, compiled by "
+                   "transformers; dynamic on CPU)")
     r.add_argument("--out", required=True)
     t.add_argument("--model", required=True, help="folder holding the target's tokenizer and config")
     t.add_argument("--max_length", type=int, default=4096)
@@ -744,7 +771,8 @@ def main(argv=None):
     elif a.cmd == "regenerate":
         regenerate_file(a.model, a.data, a.out, a.device, a.procs, batch_size=a.batch_size or 16,
                         max_new_tokens=a.max_new_tokens or 512, skip_invalid=a.skip_invalid,
-                        temperature=a.temperature, seed=a.seed, **a.chat_kwargs)
+                        temperature=a.temperature, seed=a.seed, **a.chat_kwargs,
+                        cache=a.cache or ("static" if a.device.startswith("cuda") else "dynamic"))
     else:
         tok = load_tokenizer(a.model)
         t0, c0 = time.perf_counter(), time.process_time()  # CPU time too: shared machines skew wall time

@@ -621,14 +621,15 @@ def test_merge_parts_keeps_unicode_line_separators(tmp_path):
     assert not (tmp_path / "p.jsonl").exists() and (tmp_path / "p.jsonl.part0of2").exists()  # nothing lost
 
 
-def test_regenerate_sampled_is_seeded_and_resumes(tmp_path, tiny):
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_regenerate_sampled_is_seeded_and_resumes(tmp_path, tiny, cache):
     """temperature > 0 samples (answers differ from greedy), reproducibly: the same seed gives the same file, also
     when a crashed run resumes mid-file or the records are split over two ranks; another seed gives another."""
     model, tok = tiny
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"}]}) + "\n"
                            for i in range(4)))
-    kw = dict(batch_size=2, max_new_tokens=6)
+    kw = dict(batch_size=2, max_new_tokens=6, cache=cache)
 
     def run(name, world=1, **extra):
         for r in range(world):
@@ -766,16 +767,64 @@ def test_cli_regenerate_worker_processes(tmp_path, tiny):
     assert not list(tmp_path.glob("o.jsonl.*"))
 
 
-def test_generate_token_budget_keeps_answers_and_order(target):
+def test_generate_token_budget_keeps_answers_and_order(target, monkeypatch):
     """Sorting by length and splitting under a padded-token budget changes batches, never answers or their order."""
     model, tok = target
     prompts = [[{"role": "user", "content": "Tell me a long story about a dragon who learned to cook pasta."}],
                [{"role": "user", "content": "Hi"}],
                [{"role": "user", "content": "What is 2+2?"}]]
-    whole = data._generate(model, tok, prompts, 10, {}, max_batch_tokens=10**9)
-    alone = data._generate(model, tok, prompts, 10, {}, max_batch_tokens=1)  # one prompt per sub-batch
+    monkeypatch.setattr(data, "GENERATE_BATCH_TOKENS", 10**9)
+    whole = data._generate(model, tok, prompts, 10, {})
+    monkeypatch.setattr(data, "GENERATE_BATCH_TOKENS", 1)
+    alone = data._generate(model, tok, prompts, 10, {})  # one prompt per sub-batch
     assert whole == alone and len(whole[0]) == 3 and whole[0][1] != whole[0][0]
     assert whole[3] == 0
+
+
+def test_sub_batches_static_shapes(monkeypatch):
+    """The static cache's sub-batches: prompts padded to powers of two (>= STATIC_MIN_PROMPT), rows the largest
+    power of two under the token budget (a part-filled one: the next power of two, repeats filling it later); a
+    prompt past STATIC_MAX_PROMPT goes dynamic. The dynamic cache keeps each sub-batch as long as its longest."""
+    monkeypatch.setattr(data, "GENERATE_BATCH_TOKENS", 1000)
+    lengths = [10, 70, 65, 200, 3000, 60, 20, 30, 11, 12, 13, 14, 15]
+    assert data._sub_batches(lengths, 8, "static") == [  # 1000 // (64 + 8) -> 8 rows; 1000 // (128 + 8) -> 4
+        [[0, 8, 9, 10, 11, 12, 6, 7], 64, 8], [[5], 64, 1], [[2, 1], 128, 2], [[3], 256, 1], [[4], None, 0]]
+    assert data._sub_batches(lengths[:9], 8, "static")[0] == [[0, 8, 6, 7, 5], 64, 8]  # 3 repeats to come
+    assert data._sub_batches(lengths, 8, "dynamic") == [  # (rows + 1) x (longest + 8) past 1000 opens the next
+        [[0, 8, 9, 10, 11, 12, 6, 7, 5, 2, 1], None, 0], [[3], None, 0], [[4], None, 0]]
+
+
+def test_generate_static_cache_equals_dynamic(tiny, monkeypatch):
+    """The static KV cache (compiled by transformers on a GPU) gives the dynamic cache's greedy tokens, across three
+    padded lengths, rows filled with repeats, and a prompt long enough to go dynamic."""
+    model, tok = tiny
+    monkeypatch.setattr(data, "GENERATE_BATCH_TOKENS", 1200)
+    monkeypatch.setattr(data, "STATIC_MAX_PROMPT", 256)
+    prompts = [[{"role": "user", "content": "word " * k}] for k in (1, 40, 3, 90, 7, 150, 45, 2, 300)]
+    static, dynamic = (data._generate(model, tok, prompts, 12, {}, cache=c) for c in ("static", "dynamic"))
+    assert static == dynamic and len(set(static[0])) == len(prompts) and static[1] == 12 * len(prompts)
+    assert {P for _, P, _ in data._sub_batches([len(tok(data._render(tok, p, True, {}))["input_ids"])
+                                                for p in prompts], 12, "static")} == {64, 128, 256, None}
+
+
+def test_generate_static_cache_samples_at_the_temperature(target_dir):
+    """temperature > 0 with the static cache draws from softmax(logits / T): the first answer token's frequency over
+    1,024 rows of one prompt matches its probability at T = 0.7 (within 4 standard errors), not at T = 1."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=2)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)  # a next token of probability 0.42 at T = 0.7, 0.08 at T = 1
+    tok, prompt = tokenizer_with(target_dir, None), [{"role": "user", "content": "Hi"}]
+    ids = tok(data._render(tok, prompt, True, {}), add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        logits = model(ids).logits[0, -1]
+    top, (p7, p1) = logits.argmax().item(), (torch.softmax(logits / t, -1).max().item() for t in (0.7, 1.0))
+    first = data._generate(model, tok, [prompt] * 1024, 1, {}, temperature=0.7, cache="static")[0]
+    freq = sum(a == tok.decode([top]) for a in first) / len(first)
+    se = (p7 * (1 - p7) / len(first)) ** 0.5
+    assert abs(freq - p7) < 4 * se < abs(freq - p1), (freq, p7, p1)
 
 
 def test_regenerate_counts_prompts_past_the_context(tmp_path, tiny, capsys):
