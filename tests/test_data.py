@@ -673,8 +673,38 @@ def test_training_prompt_keys(tmp_path):
     assert data.prompt_key([{"role": "user", "content": "bye"}]) not in keys  # a later turn alone is another prompt
 
 
-def test_prepare_demo_cached(tmp_path, target_dir, capsys):
-    os.symlink(target_dir, tmp_path / "smollm2-135m-instruct")  # reuse the converted target
+@pytest.fixture(scope="session")
+def sharegpt_pools(tmp_path_factory, target_dir):
+    """write_sharegpt's two files, made once (it reads the 125 MB file and counts tokens of 9,435 prompts)."""
+    return data.write_sharegpt(tmp_path_factory.mktemp("sharegpt"), data.load_tokenizer(target_dir))
+
+
+def demo_cache(path, target_dir, sharegpt_pools):
+    """A fresh demo cache that reuses the converted target and the ShareGPT prompt pools."""
+    os.symlink(target_dir, path / "smollm2-135m-instruct")
+    for f in sharegpt_pools:
+        os.symlink(f, path / f.name)
+    return path
+
+
+def test_write_sharegpt_splits_by_conversation(sharegpt_pools, target_dir):
+    """ShareGPT's prompts: the first user turn of each conversation's first part, its token count, held out iff
+    sha256(conversation) % 10 == 0 (a conversation never on both sides), each split in hash order."""
+    train, ev = ([json.loads(x) for x in data._jsonl_lines(f)] for f in sharegpt_pools)
+    conv = lambda r: r["id"].rsplit("_", 1)[0]  # noqa: E731
+    assert len(train) + len(ev) == 9435 and 850 < len(ev) < 1050 and all(r["id"].endswith("_0") for r in train + ev)
+    assert all(data._stable_hash(conv(r)) % 10 == 0 for r in ev) and not any(
+        data._stable_hash(conv(r)) % 10 == 0 for r in train)
+    for split in (train, ev):
+        assert [data._stable_hash(conv(r)) for r in split] == sorted(data._stable_hash(conv(r)) for r in split)
+    tok = data.load_tokenizer(target_dir)
+    assert all(r["tokens"] == len(tok(r["messages"][0]["content"], add_special_tokens=False)["input_ids"])
+               for r in train[:50])
+    assert train[0]["messages"][0]["role"] == "user" and len(train[0]["messages"]) == 1
+
+
+def test_prepare_demo_cached(tmp_path, target_dir, sharegpt_pools, capsys):
+    demo_cache(tmp_path, target_dir, sharegpt_pools)
     out = data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8)
     train = [json.loads(x) for x in out["train"].read_text().splitlines()]
     evals = [json.loads(x) for x in out["eval"].read_text().splitlines()]
@@ -691,18 +721,21 @@ def test_prepare_demo_cached(tmp_path, target_dir, capsys):
     key = lambda r: " ".join(r["messages"][0]["content"].lower().split())
     train_keys = {key(json.loads(x)) for x in (tmp_path / "chitchat_prompts_train.jsonl").read_text().splitlines()}
     assert len({key(r) for r in evals}) == 3 and not {key(r) for r in evals} & train_keys  # unseen, distinct
-    assert (tmp_path / "chitchat_train.jsonl").read_text() == out["train"].read_text()  # fixed-name links
+    assert out["train"].name == "chitchat_train_u2_m8.jsonl"  # the CPU demo trains on chitchat only
+    assert (tmp_path / "demo_train.jsonl").read_text() == out["train"].read_text()  # fixed-name links
     assert (tmp_path / "chitchat_eval.jsonl").read_text() == out["eval"].read_text()
+    assert (tmp_path / "sharegpt_eval.jsonl").read_text() == out["sharegpt_eval"].read_text()
+    assert len(out["sharegpt_eval"].read_text().splitlines()) == data.demo_settings("cpu")["corpus"]["n_sharegpt_eval"]
     mtime = out["train"].stat().st_mtime_ns
     capsys.readouterr()
     assert data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8) == out
     assert "exists, skipping" in capsys.readouterr().out and out["train"].stat().st_mtime_ns == mtime
 
 
-def test_prepare_demo_with_samples(tmp_path, target_dir):
+def test_prepare_demo_with_samples(tmp_path, target_dir, sharegpt_pools):
     """samples=2: the greedy corpus, then two sampled answers per train prompt (distinct ids); the fixed-name link
     follows; a second call finds it cached."""
-    os.symlink(target_dir, tmp_path / "smollm2-135m-instruct")
+    demo_cache(tmp_path, target_dir, sharegpt_pools)
     greedy = data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8)["train"].read_text().splitlines()
     out = data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8, samples=2, sample_temperature=1.0)
     recs = [json.loads(x) for x in out["train"].read_text().splitlines()]
@@ -713,11 +746,39 @@ def test_prepare_demo_with_samples(tmp_path, target_dir):
     assert [r["id"] for r in recs[2:]] == [f"{m['id']}#s{k}" for k in (1, 2) for m in g]
     assert all(r["messages"][1]["role"] == "assistant" for r in recs)
     assert any(r["messages"][1] != g[i % 2]["messages"][1] for i, r in enumerate(recs[2:]))  # sampled, not greedy
-    assert (tmp_path / "chitchat_train.jsonl").read_text() == out["train"].read_text()
+    assert (tmp_path / "demo_train.jsonl").read_text() == out["train"].read_text()
     assert not list(tmp_path.glob("*.prompts.jsonl")) and not list(tmp_path.glob("*.part*"))
     assert data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8, samples=2, sample_temperature=1.0) == out
     with pytest.raises(ValueError, match="sample_temperature=0"):
         data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8, samples=1, sample_temperature=0)
+    with pytest.raises(ValueError, match=r"unknown demo corpus settings \['n_sharegpt'\]"):
+        data.prepare_demo(tmp_path, n_sharegpt=0)
+
+
+def test_prepare_demo_sharegpt_and_chitchat(tmp_path, target_dir, sharegpt_pools):
+    """The corpus of both sources: distinct chitchat and ShareGPT first turns (the ShareGPT ones of at most
+    max_prompt_tokens), mixed, answered by the target; the held-out ShareGPT prompts are short too and never the
+    text of a prompt of either train split; the chitchat-only corpus (n_sharegpt_train=0) stays buildable beside it."""
+    demo_cache(tmp_path, target_dir, sharegpt_pools)
+    kw = dict(n_train=2, n_eval=3, n_sharegpt_eval=4, max_new_tokens=6, max_prompt_tokens=40)
+    out = data.prepare_demo(tmp_path, n_sharegpt_train=3, **kw)
+    train = [json.loads(x) for x in data._jsonl_lines(out["train"])]
+    assert out["train"].name == "demo_train_u2_s3_p40_m6.jsonl" and len(train) == 5
+    assert sum(r["id"].endswith("_0") for r in train) == 3  # ShareGPT ids; chitchat's are uuids
+    assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] and "tokens" not in r for r in train)
+    assert [r["id"] for r in train] == sorted((r["id"] for r in train), key=data._stable_hash)  # mixed
+    tok = data.load_tokenizer(target_dir)
+    held = [json.loads(x) for x in data._jsonl_lines(tmp_path / "sharegpt_eval.jsonl")]
+    share = [r for r in train if r["id"].endswith("_0")]
+    assert len(held) == 4 and all(len(tok(r["messages"][0]["content"], add_special_tokens=False)["input_ids"]) <= 40
+                                  for r in held + share)
+    seen = {data.prompt_key(json.loads(x)["messages"]) for f in ("chitchat_prompts_train.jsonl",
+                                                                 "sharegpt_prompts_train.jsonl")
+            for x in data._jsonl_lines(tmp_path / f)}
+    assert not seen & {data.prompt_key(r["messages"]) for r in held}
+    old = data.prepare_demo(tmp_path, n_sharegpt_train=0, **kw)
+    assert old["train"].name == "chitchat_train_u2_m6.jsonl" and len(data._jsonl_lines(old["train"])) == 2
+    assert old["sharegpt_eval"] == out["sharegpt_eval"] and (tmp_path / "demo_train.jsonl").resolve() == old["train"]
 
 
 def test_demo_settings(monkeypatch, tmp_path):
@@ -731,7 +792,7 @@ def test_demo_settings(monkeypatch, tmp_path):
     assert [split(dev, w) for dev in ("cuda", "cuda:0") for w in (1, 4)] == [(1, 1), (1, 3)] * 2
     s = data.demo_settings("cpu")
     assert s["train"]["target"] == str(tmp_path / "smollm2-135m-instruct") and s["corpus"]["samples"] == 0
-    assert s["train"]["data"] == str(tmp_path / "chitchat_train.jsonl")
+    assert s["train"]["data"] == str(tmp_path / "demo_train.jsonl") and s["corpus"]["n_sharegpt_train"] == 0
     for cores, workers, cpu_workers in ((1, 1, 1), (2, 1, 2), (6, 3, 2), (64, 8, 2)):  # CPU: a worker per core, <= 2
         monkeypatch.setattr(os, "cpu_count", lambda: cores)
         assert data.demo_settings("cuda")["eval"] == dict(limit=64, max_new_tokens=256, workers=workers)
