@@ -7,6 +7,7 @@ length", SpecForge / DFlash authors), the demo corpus.
   python data.py demo --device cpu                     # convert target, prompts, regenerate (cached)
   python data.py regenerate --model DIR_OR_GGUF --data in.jsonl --out out.jsonl --device cuda  # all GPUs
   python data.py tokenize --model DIR --data in.jsonl --max_length 4096 --skip_invalid
+  python data.py from_completions --data engine_out.jsonl --out train.jsonl  # vLLM / SGLang answers (README)
 """
 import argparse
 import codecs
@@ -549,6 +550,36 @@ def regenerate(model, tokenizer, in_path, out_path, batch_size=16, max_new_token
     return dict(stats, tok_per_s=stats["tokens"] / max(stats["seconds"], 1e-9))
 
 
+def from_completions(in_path, out_path, skip_invalid=False):
+    """An inference engine's answers -> the conversations train.py reads (a 27B target is regenerated with vLLM or
+    SGLang offline generation: README "Regenerate with an inference engine"). `in_path`: the prompt records the engine
+    was given (JSONL or a JSON array, either conversation format, ending with a user turn), each with "completion"
+    (the engine's text for that turn, control tokens left out: both engines' default) and "finish_reason": "stop", or
+    "length" (cut at max tokens: kept and counted, as regenerate keeps unfinished answers). Out: each record with the
+    answer as its last turn; a bad record is an error `file:line: reason`, or with skip_invalid skipped and counted."""
+    report, out, cut = Report(in_path), [], 0
+    for line, rec, msgs, _ in _read(in_path, report, skip_invalid, False):
+        text, why = rec.get("completion"), rec.get("finish_reason")
+        try:
+            _need(msgs[-1]["role"] == "user", "prompt does not end with a user turn", "nothing to answer")
+            _need(isinstance(text, str), "no completion", f"'completion' is {type(text).__name__}, not text")
+            _need(why in ("stop", "length"), "unfinished completion", f"finish_reason={why!r}, not stop or length")
+        except BadRecord as e:
+            if not skip_invalid:
+                raise ValueError(f"{in_path}:{line}: {e}") from None
+            report.skip(line, e)
+            continue
+        key, turn = (("messages", {"role": "assistant", "content": text}) if "messages" in rec
+                     else ("conversations", {"from": "gpt", "value": text}))
+        rec = {k: v for k, v in rec.items() if k not in ("completion", "finish_reason")}
+        out.append(json.dumps(dict(rec, **{key: rec[key] + [turn]}), ensure_ascii=False))
+        cut += why == "length"
+    report.kept(out, "answered prompts")
+    print(f"{report.summary()}; {cut} answers cut at the engine's max tokens (kept)")
+    _write_atomic(out_path, out)
+    return report
+
+
 def _jsonl_lines(path):
     """The lines of a JSONL file, cut at "\n" only: json.dumps(ensure_ascii=False) leaves U+2028, U+0085, ... raw in
     sampled text, and str.splitlines() would cut a record there."""
@@ -818,9 +849,10 @@ def prepare_demo(cache_dir=None, device="cpu", gguf=None, **settings):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="build the SmolLM2 + chitchat demo corpus (cached); sizes default to demo_settings")
+    d = sub.add_parser("demo", help="build the demo corpus: SmolLM2, chitchat + ShareGPT (cached); settings: demo_settings")
     r = sub.add_parser("regenerate", help="rewrite assistant turns with the target's greedy answers")
     t = sub.add_parser("tokenize", help="tokenize + cache a dataset, print timing")
+    c = sub.add_parser("from_completions", help="an inference engine's answers -> conversations (from_completions)")
     for q in (d, r):
         q.add_argument("--device", default="cpu", help="cpu | cuda (all visible GPUs) | cuda:N")
         q.add_argument("--batch_size", type=int)
@@ -846,14 +878,18 @@ def main(argv=None):
     t.add_argument("--model", required=True, help="folder holding the target's tokenizer and config")
     t.add_argument("--max_length", type=int, default=4096)
     t.add_argument("--cache_dir", help="default: $DFLASH_CACHE/tokenized")
-    for q in (r, t):
+    c.add_argument("--out", required=True)
+    for q in (r, t, c):
         q.add_argument("--data", required=True)
         q.add_argument("--skip_invalid", action="store_true")
+    for q in (r, t):
         q.add_argument("--chat_kwargs", type=json.loads, default={}, help="template kwargs, e.g. "
                        '\'{"enable_thinking": false}\'')
     a = p.parse_args(argv)
     if a.cmd == "demo":
         print(prepare_demo(**{k: v for k, v in vars(a).items() if k != "cmd"}))
+    elif a.cmd == "from_completions":
+        from_completions(a.data, a.out, a.skip_invalid)
     elif a.cmd == "regenerate":
         regenerate_file(a.model, a.data, a.out, a.device, a.procs, batch_size=a.batch_size or 16,
                         max_new_tokens=a.max_new_tokens or 512, skip_invalid=a.skip_invalid,

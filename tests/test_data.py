@@ -799,6 +799,34 @@ def test_demo_settings(monkeypatch, tmp_path):
         assert data.demo_settings("cpu")["eval"]["workers"] == cpu_workers
 
 
+def test_from_completions_file_contract(tmp_path, target_dir, capsys):
+    """What the README's vLLM / SGLang snippet writes (the prompt record + "completion" + "finish_reason") becomes
+    conversations that read_conversations and load_tokenized take, the answer supervised exactly as a regenerated
+    one (its tokens and eos); a record the engine could not answer whole is an error `file:line`, or skipped."""
+    src = HERE / "engine_completions.jsonl"  # lines 4-6: aborted, ends with the assistant, no completion
+    for line, reason in ((4, "unfinished completion: finish_reason='abort'"),
+                         (5, "prompt does not end with a user turn"), (6, "no completion")):
+        body = [x for i, x in enumerate(src.read_text().splitlines(), 1) if i <= 3 or i == line]
+        (tmp_path / f"{line}.jsonl").write_text("\n".join(body) + "\n")
+        with pytest.raises(ValueError, match=f"{line}.jsonl:4: {reason}"):
+            data.from_completions(tmp_path / f"{line}.jsonl", tmp_path / "o.jsonl")
+    data.main(["from_completions", "--data", str(src), "--out", str(tmp_path / "o.jsonl"), "--skip_invalid"])
+    assert "6 records, kept 3, skipped 3" in capsys.readouterr().out
+    out = [json.loads(x) for x in data._jsonl_lines(tmp_path / "o.jsonl")]
+    assert [r["id"] for r in out] == ["a", "b", "c_0"] and not any("completion" in r for r in out)
+    assert out[2]["conversations"][-1] == {"from": "gpt", "value": "1, 2, 3, 4, 5, 6"}
+    convs, _ = data.read_conversations(tmp_path / "o.jsonl")
+    assert convs[1] == MULTI[:4] + [{"role": "assistant", "content": "Blue."}]
+    tok = tokenizer_with(target_dir, None)
+    tokd = data.load_tokenized(tmp_path / "o.jsonl", tok, 512)
+    assert len(tokd) == 3
+    for i, conv in enumerate(convs):
+        ids, mask = (tokd.ids[tokd.offsets[i]:tokd.offsets[i + 1]], tokd.mask[tokd.offsets[i]:tokd.offsets[i + 1]])
+        assert (list(ids), list(mask)) == data.tokenize_conversation(tok, conv, 512)
+        answer = tok(conv[-1]["content"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        assert list(ids[mask.astype(bool)])[-len(answer):] == answer
+
+
 def test_cli_tokenize(tmp_path, capsys, target_dir):
     src = tmp_path / "d.jsonl"
     src.write_text(json.dumps({"messages": MULTI}) + "\n" + '{"messages": [{"role": "bot", "content": "x"}]}\n')
