@@ -443,18 +443,19 @@ def bench_decode(args):
 
 
 def _regen_worker(rank, world, args, prompts, out):
-    """bench_regen's process `rank`: its shard of the prompts through data._generate with each cache, twice; the
-    figures (and greedy answers) to out/<rank>.json."""
-    from data import _generate, load_target
+    """bench_regen's process `rank`: its shard of the prompts through data._generate with each
+    cache, twice; the figures (and the answers) to out/<rank>.json."""
+    from data import _generate
     dev = f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
-    model, tok = load_target(args.target, dev)
+    model, tok = load_for_generation(args.target, dev)
     mine, res = prompts[rank::world], []
     for cache in args.caches.split(","):
         for rep in (1, 2):  # pass 1 compiles what the static cache compiles
             torch.manual_seed(rank)
             t0 = time.perf_counter()
-            answers, tokens, unfinished, _ = _generate(model, tok, mine, args.new_tokens, {}, args.temperature, cache)
-            res.append(dict(cache=cache, rep=rep, tokens=tokens, seconds=time.perf_counter() - t0,  # synced: .tolist()
+            answers, tokens, unfinished, _ = _generate(model, tok, mine, args.new_tokens, {},
+                                                       args.temperature, cache)  # synced: .tolist()
+            res.append(dict(cache=cache, rep=rep, tokens=tokens, seconds=time.perf_counter() - t0,
                             unfinished=unfinished, answers=answers,
                             graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"]))
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
@@ -462,36 +463,39 @@ def _regen_worker(rank, world, args, prompts, out):
 
 
 def bench_regen(args):
-    """Regeneration as data.py runs it (data._generate: length-sorted sub-batches, left-padded) of the same --n
-    prompts with each KV cache of --caches: dynamic (the before) and static (transformers compiles the target's forward
-    on a GPU: CUDA graphs), in --procs processes sharing the GPU(s), each a shard, each cache twice (pass 1 compiles).
-    Generated tokens (answers up to and including eos) over the slowest process's time. Default: the demo's target
-    and its train prompts (data.py demo builds both; no network)."""
+    """Regeneration as data.py runs it (data._generate: length-sorted sub-batches, left-padded) of
+    the same --n prompts with each KV cache of --caches: dynamic (the before) and static
+    (transformers compiles the target's forward on a GPU: CUDA graphs), in --procs processes sharing
+    the GPU(s), each a shard, each cache twice (pass 1 compiles). Generated tokens (answers up to
+    and including eos) over the slowest process's time. Default: the demo's target and its train
+    prompts (made here if need be, without network: the GGUF is converted locally)."""
     import tempfile
-    from data import (convert_gguf, default_cache_dir, demo_prompts, read_conversations, smollm2_gguf,
-                      spawn_workers)
+    from data import default_cache_dir, demo_prompts, read_conversations, spawn_workers
+    from target import convert_gguf, smollm2_gguf
     cache = default_cache_dir()
     args.target = args.target or str(convert_gguf(smollm2_gguf(), cache / "smollm2-135m-instruct"))
-    path = args.data or demo_prompts(cache, demo_settings("cuda")["corpus"], load_tokenizer(args.target))["train"]
+    path = args.data or demo_prompts(cache, demo_settings("cuda")["corpus"],
+                                     load_tokenizer(args.target))["train"]
     convs = read_conversations(path, require_assistant=False)[0][:args.n]
-    prompts = [c[:next(i for i, m in enumerate(c) if m["role"] == "user") + 1] for c in convs]  # first user turn
+    firsts = [next(i for i, m in enumerate(c) if m["role"] == "user") for c in convs]
+    prompts = [c[:i + 1] for c, i in zip(convs, firsts)]  # up to the first user turn
     with tempfile.TemporaryDirectory() as out:
         spawn_workers(_regen_worker, args.procs, (args.procs, args, prompts, out))
         res = [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(args.procs)]
-    row, rate, greedy = table(f"regen {len(prompts)} prompts of {path}"), {}, {}
+    row, rate, answers = table(f"regen {len(prompts)} prompts of {path}"), {}, {}
     for i, first in enumerate(res[0]):
-        runs = [r[i] for r in res]
+        runs, key = [r[i] for r in res], (first["cache"], first["rep"])
         tokens, secs = sum(r["tokens"] for r in runs), max(r["seconds"] for r in runs)
-        rate[first["cache"], first["rep"]] = tokens / secs
-        greedy[first["cache"]] = [a for r in runs for a in r["answers"]]
-        row(f"{first['cache']} cache, pass {first['rep']}: generated tok/s, {args.procs} processes",
-            f"{tokens / secs:.0f}", f"{tokens} tokens in {secs:.1f} s, {sum(r['unfinished'] for r in runs)} answers at "
-            f"{args.new_tokens} tokens, {max(r['graphs'] for r in runs)} compiled graphs per process")
+        rate[key], answers[first["cache"]] = tokens / secs, [a for r in runs for a in r["answers"]]
+        cut, graphs = sum(r["unfinished"] for r in runs), max(r["graphs"] for r in runs)
+        row(f"{key[0]} cache, pass {key[1]}: generated tok/s, {args.procs} processes",
+            f"{tokens / secs:.0f}", f"{tokens} tokens in {secs:.1f} s, {cut} answers at "
+            f"{args.new_tokens} tokens, {graphs} compiled graphs per process")
     if ("dynamic", 2) in rate and ("static", 2) in rate:
-        same = sum(a == b for a, b in zip(greedy["static"], greedy["dynamic"]))
+        same = sum(a == b for a, b in zip(answers["static"], answers["dynamic"]))
         row("static / dynamic, pass 2", f"{rate['static', 2] / rate['dynamic', 2]:.2f}x",
-            f"{same} of {len(prompts)} answers identical" + " (greedy: equal but where rounding flips a near-tie)"
-            * (args.temperature == 0))
+            f"{same} of {len(prompts)} answers identical"
+            + " (greedy: equal but where rounding flips a near-tie)" * (args.temperature == 0))
 
 
 def bench_plan(args):
@@ -567,8 +571,9 @@ def run_all(args):
 
 
 def main(argv=None):
-    benches = dict(all=run_all, ceilings=bench_ceilings, drafter=bench_drafter, target=bench_target, e2e=bench_e2e,
-                   decode=bench_decode, plan=bench_plan, fp8states=bench_fp8_states, regen=bench_regen)
+    benches = dict(all=run_all, ceilings=bench_ceilings, drafter=bench_drafter, target=bench_target,
+                   e2e=bench_e2e, decode=bench_decode, plan=bench_plan, fp8states=bench_fp8_states,
+                   regen=bench_regen)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", nargs="?", default="all", choices=list(benches))
     ap.add_argument("--preset", default="27b", choices=list(PRESETS), help="drafter: whose drafter")
@@ -580,14 +585,16 @@ def main(argv=None):
                                 ("--fp8", "", "drafter, e2e: tensorwise | rowwise FP8 linears (torchao)"),
                                 ("--case-timeout", 300, "all: seconds per case"), ("--anchors", 512, None),
                                 ("--new_tokens", 128, "decode, regen: new tokens"),
-                                ("--n", 2048, "regen: prompts"), ("--procs", 2, "regen: processes (all GPUs)"),
+                                ("--n", 2048, "regen: prompts"),
+                                ("--procs", 2, "regen: processes (on all GPUs)"),
                                 ("--caches", "dynamic,static", "regen: KV caches, in order"),
                                 ("--temperature", 0.0, "regen: 0 = greedy"),
                                 ("--seq_e2e", 3072, "e2e; fp8states: tokens per conversation"),
-                                ("--target", "", "fp8states, regen: HF folder (default: the demo's target)"),
-                                ("--data", "", "fp8states: conversations (default: chitchat); regen: prompts (default:"
-                                 " the GPU demo's train prompts)"), ("--convs", 32, None)):
-        ap.add_argument(flag, type=type(default), default=default, help=help)  # str, int or float, as its default
+                                ("--target", "", "fp8states, regen: HF folder (the demo's)"),
+                                ("--data", "", "fp8states: conversations (chitchat); regen: "
+                                 "prompts (the GPU demo's train prompts)"),
+                                ("--convs", 32, None)):
+        ap.add_argument(flag, type=type(default), default=default, help=help)  # str, int or float
     for flag, help in (("--eager", "drafter: layers uncompiled (the 'before')"), ("--breakdown", "drafter, target"),
                        ("--profile", "drafter, target"), ("--no-fla", "27b: transformers' torch fallback kernels"),
                        ("--torch-conv", "target 27b: the short convolution in transformers' torch path, fla elsewhere"),
