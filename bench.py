@@ -442,9 +442,10 @@ def bench_decode(args):
             row(f"{label}, pass {rep}: plain step", f"{1e3 * (t['plain_prefill'] + t['plain_step']) / len(out):.1f} ms")
 
 
-def _regen_worker(rank, world, args, prompts, out):
+def _regen_worker(rank, world, args, prompts, out, barrier):
     """bench_regen's process `rank`: its shard of the prompts through data._generate with each
-    cache, twice; the figures (and the answers) to out/<rank>.json."""
+    cache, twice, every process starting each pass together; the figures (and the answers) to
+    out/<rank>.json."""
     from data import _generate
     dev = f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
     model, tok = load_for_generation(args.target, dev)
@@ -452,6 +453,7 @@ def _regen_worker(rank, world, args, prompts, out):
     for cache in args.caches.split(","):
         for rep in (1, 2):  # pass 1 compiles what the static cache compiles
             torch.manual_seed(rank)
+            barrier.wait()  # the processes time the same method at the same time
             t0 = time.perf_counter()
             answers, tokens, unfinished, _ = _generate(model, tok, mine, args.new_tokens, {},
                                                        args.temperature, cache)  # synced: .tolist()
@@ -480,7 +482,8 @@ def bench_regen(args):
     firsts = [next(i for i, m in enumerate(c) if m["role"] == "user") for c in convs]
     prompts = [c[:i + 1] for c, i in zip(convs, firsts)]  # up to the first user turn
     with tempfile.TemporaryDirectory() as out:
-        spawn_workers(_regen_worker, args.procs, (args.procs, args, prompts, out))
+        barrier = torch.multiprocessing.get_context("spawn").Barrier(args.procs)
+        spawn_workers(_regen_worker, args.procs, (args.procs, args, prompts, out, barrier))
         res = [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(args.procs)]
     row, rate, answers = table(f"regen {len(prompts)} prompts of {path}"), {}, {}
     for i, first in enumerate(res[0]):

@@ -1,11 +1,13 @@
-"""Training data for the DFlash drafter: conversations (JSONL or one JSON array; OpenAI `messages` or ShareGPT
-`conversations`) -> token ids + a loss mask (1 exactly on assistant content and its end-of-turn token) through the
-target's chat template; a broken record is an error `file:line: reason`, or with skip_invalid skipped and counted. Also:
-the tokenized cache, `Batcher`, `regenerate` (answers rewritten by the target: the "largest single lever on acceptance
-length", SpecForge / DFlash authors), the demo corpus.
+"""Training data for the DFlash drafter: conversations (JSONL or one JSON array; OpenAI `messages`
+or ShareGPT `conversations`) -> token ids + a loss mask (1 exactly on assistant content and its
+end-of-turn token) through the target's chat template; a broken record is an error `file:line:
+reason`, or with skip_invalid skipped and counted. Also: the tokenized cache, `Batcher`,
+`regenerate` (answers rewritten by the target: the "largest single lever on acceptance length",
+SpecForge / DFlash authors) and `from_completions` (an inference engine's answers), the demo corpus
+(chitchat + ShareGPT first turns).
 
-  python data.py demo --device cpu                     # convert target, prompts, regenerate (cached)
-  python data.py regenerate --model DIR_OR_GGUF --data in.jsonl --out out.jsonl --device cuda  # all GPUs
+  python data.py demo --device cpu          # convert target, prompts, regenerate (cached)
+  python data.py regenerate --model DIR_OR_GGUF --data in.jsonl --out out.jsonl --device cuda
   python data.py tokenize --model DIR --data in.jsonl --max_length 4096 --skip_invalid
   python data.py from_completions --data answers.jsonl --out train.jsonl  # an engine's (README)
 """
