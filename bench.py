@@ -563,6 +563,67 @@ def bench_decode(args):
             row(f"{label}, pass {rep}: plain step", f"{1e3 * plain_s / len(out):.1f} ms")
 
 
+def _regen_worker(rank, world, args, prompts, out, barrier):
+    """bench_regen's process `rank`: its shard of the prompts through data._generate with each
+    cache, twice, every process starting each pass together; the figures (and the answers) to
+    out/<rank>.json."""
+    from data import _generate
+    dev = f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
+    model, tok = load_for_generation(args.target, dev)
+    mine, res = prompts[rank::world], []
+    for cache in args.caches.split(","):
+        for rep in (1, 2):  # pass 1 compiles what the static cache compiles
+            torch.manual_seed(rank)
+            barrier.wait()  # the processes time the same method at the same time
+            t0 = time.perf_counter()
+            answers, tokens, unfinished, _ = _generate(model, tok, mine, args.new_tokens, {},
+                                                       args.temperature, cache)  # synced: .tolist()
+            res.append(dict(cache=cache, rep=rep, tokens=tokens, seconds=time.perf_counter() - t0,
+                            unfinished=unfinished, answers=answers,
+                            graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"]))
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump(res, f)
+
+
+def bench_regen(args):
+    """Regeneration as data.py runs it (data._generate: length-sorted sub-batches, left-padded) of
+    the same --n prompts with each KV cache of --caches: dynamic (the before) and static
+    (transformers compiles the target's forward on a GPU: CUDA graphs), in --procs processes sharing
+    the GPU(s), each a shard, each cache twice (pass 1 compiles). Generated tokens (answers up to
+    and including eos) over the slowest process's time. Default: the demo's target and its train
+    prompts (made here if need be, without network: the GGUF is converted locally)."""
+    import tempfile
+    from data import default_cache_dir, demo_prompts, read_conversations, spawn_workers
+    from target import convert_gguf, smollm2_gguf
+    cache = default_cache_dir()
+    given = dict(f[2:].split("=", 1) for f in args.fields)  # --target=, --data=: train.py's fields
+    args.target = given.get("target") or str(convert_gguf(smollm2_gguf(),
+                                                            cache / "smollm2-135m-instruct"))
+    path = given.get("data") or demo_prompts(cache, demo_settings("cuda")["corpus"],
+                                     load_tokenizer(args.target))["train"]
+    convs = read_conversations(path, require_assistant=False)[0][:args.n]
+    firsts = [next(i for i, m in enumerate(c) if m["role"] == "user") for c in convs]
+    prompts = [c[:i + 1] for c, i in zip(convs, firsts)]  # up to the first user turn
+    with tempfile.TemporaryDirectory() as out:
+        barrier = torch.multiprocessing.get_context("spawn").Barrier(args.procs)
+        spawn_workers(_regen_worker, args.procs, (args.procs, args, prompts, out, barrier))
+        res = [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(args.procs)]
+    row, rate, answers = table(f"regen {len(prompts)} prompts of {path}"), {}, {}
+    for i, first in enumerate(res[0]):
+        runs, key = [r[i] for r in res], (first["cache"], first["rep"])
+        tokens, secs = sum(r["tokens"] for r in runs), max(r["seconds"] for r in runs)
+        rate[key], answers[first["cache"]] = tokens / secs, [a for r in runs for a in r["answers"]]
+        cut, graphs = sum(r["unfinished"] for r in runs), max(r["graphs"] for r in runs)
+        row(f"{key[0]} cache, pass {key[1]}: generated tok/s, {args.procs} processes",
+            f"{tokens / secs:.0f}", f"{tokens} tokens in {secs:.1f} s, {cut} answers at "
+            f"{args.new_tokens} tokens, {graphs} compiled graphs per process")
+    if ("dynamic", 2) in rate and ("static", 2) in rate:
+        same = sum(a == b for a, b in zip(answers["static"], answers["dynamic"]))
+        row("static / dynamic, pass 2", f"{rate['static', 2] / rate['dynamic', 2]:.2f}x",
+            f"{same} of {len(prompts)} answers identical"
+            + " (greedy: equal but where rounding flips a near-tie)" * (args.temperature == 0))
+
+
 def bench_plan(args):
     """The start-up estimate (ranks.memory_need, as train.py --plan prints it) against the
     measured peak of train.py's own step (train.build_drafting, train.accumulate, the optimizer):
@@ -643,7 +704,8 @@ def run_all(args):
 
 def main(argv=None):
     benches = dict(all=run_all, ceilings=bench_ceilings, drafter=bench_drafter, target=bench_target,
-                   e2e=bench_e2e, decode=bench_decode, plan=bench_plan, fp8states=bench_fp8_states)
+                   e2e=bench_e2e, decode=bench_decode, plan=bench_plan, fp8states=bench_fp8_states,
+                   regen=bench_regen)
     fields = ("Config fields: --field=value (train.py's Config), e.g. --fp8=tensorwise "
               "--fp8_head=true --markov_rank=32 --num_anchors=512 --loss_chunk=64 --compile=false "
               "--target_fp8=true")
@@ -659,9 +721,13 @@ def main(argv=None):
             ("--cases", "", "all: indices into CASES, e.g. 0,1,2; default all but 7"),
             ("--json", "", "also write the rows here"),
             ("--case_timeout", 300, "all: seconds per case"),
-            ("--new_tokens", 128, "decode: new tokens"),
+            ("--new_tokens", 128, "decode, regen: new tokens"),
             ("--seq_e2e", 3072, "e2e: tokens per sequence; fp8states: per conversation"),
-            ("--convs", 32, "fp8states: conversations")):
+            ("--convs", 32, "fp8states: conversations"),
+            ("--n", 2048, "regen: prompts"),
+            ("--procs", 2, "regen: processes (on all GPUs)"),
+            ("--caches", "dynamic,static", "regen: KV caches, in order"),
+            ("--temperature", 0.0, "regen: 0 = greedy")):
         # a str or an int, as its default
         ap.add_argument(flag, type=type(default), default=default, help=help)
     for flag, help in (("--breakdown", "drafter, target: the time of each part"),
