@@ -402,7 +402,8 @@ def test_sharegpt_roles_and_leading_answers(tmp_path, tiny):
     assert (report.lead_records, report.lead_turns) == (2, 2)
     assert report.summary().endswith("kept 2, skipped 1 (no user turn: 1); dropped 2 leading "
                                      "assistant turns of 2 records")
-    data.regenerate(*tiny, path, tmp_path / "o.jsonl", max_new_tokens=3, skip_invalid=True)
+    data.regenerate(*tiny, path, tmp_path / "o.jsonl",
+                    data.RegenOptions(max_new_tokens=3, skip_invalid=True))
     out = [json.loads(x) for x in (tmp_path / "o.jsonl.part0of1").read_text().splitlines()]
     assert [t["from"] for t in out[0]["conversations"]] == ["human", "gpt"]
     assert [t["from"] for t in out[1]["conversations"]] == ["system", "human", "chatgpt", "user",
