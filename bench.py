@@ -74,7 +74,12 @@ ROWS = []  # (case, figure, value, "vs ceiling") for the final table
 def config(args, preset):
     """train.py's Config for a case: the drafter preset's fields, then the command line's
     --field=value."""
-    return train.parse_config([*PRESETS[preset][1], *args.fields])
+    return parsed([*PRESETS[preset][1], *args.fields])
+
+
+def parsed(argv):
+    """train.py's Config from --field=value, its dtype resolved as train.main resolves it."""
+    return train.resolve_dtype(train.parse_config(argv))[0]
 
 
 def drafter_config(cfg, preset):
@@ -466,7 +471,7 @@ def bench_fp8_states(args):
     on both."""
     from data import default_cache_dir, read_conversations, tokenize_conversation, write_chitchat
     # this case's defaults, then the command line's fields
-    cfg = train.parse_config(["--preset=demo", "--target_fp8=true", *args.fields])
+    cfg = parsed(["--preset=demo", "--target_fp8=true", *args.fields])
     dev, row = "cuda" if torch.cuda.is_available() else "cpu", table("fp8 target states")
     given = {a.split("=")[0] for a in args.fields}
     data = cfg.data if "--data" in given else write_chitchat(default_cache_dir())[0]
@@ -644,7 +649,7 @@ def bench_plan(args):
         for S in (int(s) for s in args.seq.split(",")):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-            cfg = train.parse_config([*PRESETS["27b"][1], *args.fields, f"--max_length={S}"])
+            cfg = parsed([*PRESETS["27b"][1], *args.fields, f"--max_length={S}"])
             dcfg = drafter_config(cfg, "27b")
             est = memory_need(cfg, dcfg, tc27, 8)["drafter"]
             got = measure(cfg, dcfg, random_states(dcfg, getattr(torch, cfg.dtype)))
@@ -652,7 +657,7 @@ def bench_plan(args):
                 f"{est:.2f} vs {got:.2f} GiB", f"{est / got - 1:+.1%}")
     if args.preset != "smol":
         return
-    cfg = train.parse_config(["--preset=demo", "--device=cuda", *args.fields])
+    cfg = parsed(["--preset=demo", "--device=cuda", *args.fields])
     dcfg, tc = drafter_config(cfg, "smol"), LlamaConfig(**SMOLLM2)
     target = LlamaForCausalLM(tc).to("cuda", torch.bfloat16).eval().requires_grad_(False)
     decoder = truncate(target.get_decoder(), max(dcfg.target_layer_ids) + 1)
