@@ -124,7 +124,7 @@ def _loss_and_grads(drafter, tables, batch, opts=LossOptions()):
 def _forward(drafter, tables, batch, gamma=7.0):
     """The training forward of the batch's blocks written out here, for references in autograd
     -> (out [B, N*K, D], labels, valid, decay weights [B, N, K])."""
-    cfg, (ids, lm, hidden, anchors, keep) = drafter.cfg, batch
+    cfg, (ids, lm, hidden, anchors, keep) = drafter.cfg, batch[:5]
     x, pos, _ = blocks_input(cfg, tables.embed_VD, ids, anchors, keep)
     out = drafter(x, hidden, pos, build_masks(anchors, keep, 30, cfg.block_size, cfg.layer_types, 6,
                                               "sdpa"))
@@ -397,7 +397,7 @@ def test_loss_matches_direct_formula():
     """loss_sum = sum_k w_k * CE(lm_head(out), label) over valid positions, from an independent
     computation; the statistics likewise."""
     drafter, tables, batch = _loss_setup(1)
-    (ids, lm, _, anchors, keep), K = batch, drafter.cfg.block_size
+    (ids, lm, _, anchors, keep), K = batch[:5], drafter.cfg.block_size
     r = dflash_loss(drafter, tables, batch, LossOptions(gamma=5.0, chunk_blocks=0))
     logits = _forward(drafter, tables, batch)[0] @ tables.head_VD.t()
     want, wsum, n_correct, tau = 0.0, 0.0, 0, 0.0
