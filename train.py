@@ -35,10 +35,11 @@ from checkpoint import (list_ckpts, lock_run_dir, log_line, log_skipped, open_ru
 from fused import Float8Head, head_loss as fused_head_loss
 from model import (DFlashDrafter, DrafterConfig, LossBatch, LossOptions, Tables, dflash_loss,
                    drafter_config_from_target, load_drafter, sample_anchors, to_float8)
-from ranks import (USABLE, Colocated, Receiver, assign_roles, drafter_schedule, largest_anchors,
-                   memory_check, on_gpu, per_step, placement_table, reduce_stats, report_failure,
-                   role_of, run_target, setup_dist, teardown_dist, torchrun_env, watch_for_death)
-from target import frozen_tables, load_for_capture, read_target
+from ranks import (USABLE, Colocated, Receiver, assign_roles, drafter_schedule, final_states,
+                   largest_anchors, memory_check, on_gpu, per_step, placement_table, reduce_stats,
+                   report_failure, role_of, run_target, setup_dist, teardown_dist, torchrun_env,
+                   watch_for_death)
+from target import FINAL, frozen_tables, load_for_capture, read_target
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class Config:
     sliding_layers: int = 4  # the first n drafter layers use sliding-window attention, the rest full
     sliding_window: int = 2048  # tokens, for sliding layers
     markov_rank: int = 0  # > 0: DSpark's low-rank Markov head of this rank on the drafter (model.MarkovHead)
+    # DSpark's confidence head (model.ConfidenceHead): per drafted position, the chance the target accepts it;
+    # the engines size verification from it. Needs markov_rank > 0 and loss_impl=plain
+    confidence_head: bool = False
     init_drafter: str = ""  # start from this released-format drafter instead of a random init
     # data
     data: str = "train.jsonl"  # conversations, JSONL or JSON array (OpenAI messages or ShareGPT)
@@ -63,6 +67,11 @@ class Config:
     gamma: float = 7.0  # decay's scale
     dpace_alpha: float = 0.5  # dpace's smoothing of the drafter's confidence, (1 - alpha) q + alpha
     loss_chunk: int = 64  # blocks per lm_head+CE chunk (0 = one sequence's blocks); the logits exist per chunk only
+    # the target's distribution p (its final state through the LM head) as a target beside the CE, plain path only:
+    # none | kl = KL(p || q) | l1 = sum_v |q_v - p_v| (2x total variation: DSpark's L1)
+    kd_loss: str = "none"
+    kd_weight: float = 0.9  # per row (1 - kd_weight) CE + kd_weight KD; 0.9 with l1 is DSpark's CE 0.1 + L1 0.9
+    confidence_weight: float = 1.0  # the confidence head's BCE beside them (DSpark: 1.0)
     # the LM head + CE: fused = fused.HeadCE (the input gradient computed in its forward: faster) |
     # plain = torch autograd per chunk (model.plain_head_loss, new losses start there), same results
     loss_impl: str = "fused"
@@ -195,11 +204,13 @@ def train(cfg, d, target_config, tokenizer):
               f"steps of {P} micro-batches x {cfg.batch_size}" + (f"; resuming at step {start}" if state else ""),
               flush=True)
         warn_config_changes(cfg, state)
+    final = final_states(cfg, dcfg)  # the target's final states travel too, D wide after the layers'
     capture = None
     if d.is_target:
         shard = partial(shard_target, mesh=d.target_mesh)
-        capture = load_for_capture(cfg.target, dcfg.target_layer_ids, getattr(torch, cfg.dtype),
-                                   d.device, shard, cfg.target_fp8, verbose=d.rank == d.targets[0])
+        capture = load_for_capture(cfg.target, dcfg.target_layer_ids + [FINAL] * final,
+                                   getattr(torch, cfg.dtype), d.device, shard, cfg.target_fp8,
+                                   verbose=d.rank == d.targets[0])
     if not d.is_drafter:
         return run_target(cfg, d, batcher, capture, start, total)
 
@@ -220,7 +231,8 @@ def train(cfg, d, target_config, tokenizer):
             print("compiling the drafter layers and flex attention: the first steps (two lengths) take longer",
                   flush=True)
     source = Colocated(batcher, capture, d.device) if d.is_target else Receiver(
-        cfg, d, len(dcfg.target_layer_ids) * dcfg.hidden_size, dtype, drafter_schedule(d, cfg.grad_accum, start, total))
+        cfg, d, (len(dcfg.target_layer_ids) + final) * dcfg.hidden_size, dtype,
+        drafter_schedule(d, cfg.grad_accum, start, total))
     if d.leader:
         open_run_dir(run_dir, drafter, start if state else None)
     train_drafter(cfg, d, run_dir, (drafter, embed, head), optim, source, start, total, state, resume)
@@ -238,7 +250,9 @@ def accumulate(step, cfg, models, source, schedule):
         # anchors depend only on (seed, m): the same sequences get the same blocks whatever the topology
         gen = torch.Generator(hidden.device).manual_seed(cfg.seed * 1_000_003 + m)
         anchors, keep = sample_anchors(batch["loss_mask"], cfg.num_anchors, gen)
-        inputs = LossBatch(batch["input_ids"], batch["loss_mask"], hidden, anchors, keep)
+        C = len(drafter.cfg.target_layer_ids) * drafter.cfg.hidden_size  # the layers' states, then the final
+        inputs = LossBatch(batch["input_ids"], batch["loss_mask"], hidden[..., :C], anchors, keep,
+                           hidden[..., C:] if hidden.shape[-1] > C else None)
         r = dflash_loss(drafter, Tables(embed, head), inputs, loss_options(cfg, hidden.device))
         r["loss_sum"].backward()
         s = {k: v.detach().double().cpu() for k, v in r.items()}  # .cpu() synchronizes
@@ -412,6 +426,16 @@ RULES = SHAPE + [
     ("dtype", lambda c, t: c.dtype in ("bfloat16", "float32"), "must be bfloat16 or float32"),
     ("loss_weighting", lambda c, t: c.loss_weighting in ("decay", "dpace"), "must be decay or dpace"),
     ("loss_impl", lambda c, t: c.loss_impl in ("fused", "plain"), "must be fused or plain"),
+    ("kd_loss", lambda c, t: c.kd_loss in ("none", "kl", "l1"), "must be none, kl or l1"),
+    *_each(["kd_weight"], lambda x: 0 <= x <= 1, "must be in [0, 1]"),
+    *_each(["confidence_weight"], lambda x: 0 <= x < INF, "must be >= 0 and finite"),
+    # fused.HeadCE computes the CE (and the Markov head's) only: these terms live in model.chunk_loss
+    *[(f, lambda c, t, f=f: getattr(c, f) in ("none", False) or c.loss_impl == "plain",
+       "needs loss_impl=plain (the fused loss computes the CE only)", ["loss_impl"])
+      for f in ("kd_loss", "confidence_head")],
+    ("confidence_head", lambda c, t: not c.confidence_head or c.markov_rank > 0 or c.init_drafter,
+     "needs markov_rank > 0 (vLLM and SGLang serve a confidence head only on a DSpark drafter, fed the "
+     "Markov embedding)"),
     *_each(["dpace_alpha"], lambda x: 0 < x <= 1, "must be in (0, 1]"),
     *_each(["markov_rank"], lambda x: 0 <= x <= 4096, "must be in [0, 4096] (0: no Markov head)"),
     ("target_shard", lambda c, t: c.target_shard in ("fsdp", "replicate"), "must be fsdp or replicate"),
@@ -486,6 +510,9 @@ def validate(cfg, world, target_config, tokenizer, local_world=None, device_gib=
                             f"[0, {tc.num_hidden_layers})")
             if dcfg.hidden_size != tc.hidden_size or dcfg.vocab_size != tc.vocab_size:
                 errs.append("drafter hidden_size/vocab_size differ from the target's")
+            if dcfg.confidence_head and cfg.loss_impl != "plain":
+                errs.append(f"init_drafter: {cfg.init_drafter} has a confidence head, which needs "
+                            f"loss_impl=plain (the fused loss computes the CE only)")
             if not errs:
                 errs += memory_check(cfg, dcfg, target_config, world, device_gib)[1]
     if errs:
@@ -527,7 +554,8 @@ def drafter_cfg(cfg, target_config, tokenizer):
         target_config, tokenizer, num_layers=cfg.drafter_layers, num_target_features=cfg.target_features or None,
         block_size=cfg.block_size, mask_token=mask,
         layer_types=["sliding_attention"] * n + ["full_attention"] * (cfg.drafter_layers - n),
-        sliding_window=cfg.sliding_window if n else None, markov_rank=cfg.markov_rank)
+        sliding_window=cfg.sliding_window if n else None, markov_rank=cfg.markov_rank,
+        confidence_head=cfg.confidence_head)
 
 
 def loss_options(cfg, device):
@@ -535,7 +563,8 @@ def loss_options(cfg, device):
     return LossOptions(weighting=cfg.loss_weighting, gamma=cfg.gamma, alpha=cfg.dpace_alpha,
                        chunk_blocks=cfg.loss_chunk,
                        backend="flex" if device.type == "cuda" else "sdpa",
-                       head_loss=fused_head_loss if cfg.loss_impl == "fused" else None)
+                       head_loss=fused_head_loss if cfg.loss_impl == "fused" else None,
+                       kd=cfg.kd_loss, kd_weight=cfg.kd_weight, confidence_weight=cfg.confidence_weight)
 
 
 def load_data(cfg, d, tokenizer, mask_id):
