@@ -400,6 +400,9 @@ SHAPE = [
      "must be >= block_size={c.block_size} when sliding_layers > 0", ["block_size", "sliding_layers"]),
     ("mask_token", lambda c, t: not _is_id(c.mask_token) or int(c.mask_token) < t.vocab_size,
      "must be < the target vocabulary ({t.vocab_size})"),
+    ("confidence_head", lambda c, t: not c.confidence_head or c.markov_rank > 0 or c.init_drafter,
+     "needs markov_rank > 0 (vLLM and SGLang serve a confidence head only on a DSpark drafter, fed the "
+     "Markov embedding)"),
     ("init_drafter", lambda c, t: not c.init_drafter or all(
         os.path.isfile(os.path.join(c.init_drafter, f)) for f in ("config.json", "model.safetensors")),
      "holds no config.json + model.safetensors"),
@@ -433,9 +436,6 @@ RULES = SHAPE + [
     *[(f, lambda c, t, f=f: getattr(c, f) in ("none", False) or c.loss_impl == "plain",
        "needs loss_impl=plain (the fused loss computes the CE only)", ["loss_impl"])
       for f in ("kd_loss", "confidence_head")],
-    ("confidence_head", lambda c, t: not c.confidence_head or c.markov_rank > 0 or c.init_drafter,
-     "needs markov_rank > 0 (vLLM and SGLang serve a confidence head only on a DSpark drafter, fed the "
-     "Markov embedding)"),
     *_each(["dpace_alpha"], lambda x: 0 < x <= 1, "must be in (0, 1]"),
     *_each(["markov_rank"], lambda x: 0 <= x <= 4096, "must be in [0, 4096] (0: no Markov head)"),
     ("target_shard", lambda c, t: c.target_shard in ("fsdp", "replicate"), "must be fsdp or replicate"),
@@ -510,7 +510,7 @@ def validate(cfg, world, target_config, tokenizer, local_world=None, device_gib=
                             f"[0, {tc.num_hidden_layers})")
             if dcfg.hidden_size != tc.hidden_size or dcfg.vocab_size != tc.vocab_size:
                 errs.append("drafter hidden_size/vocab_size differ from the target's")
-            if dcfg.confidence_head and cfg.loss_impl != "plain":
+            if cfg.init_drafter and dcfg.confidence_head and cfg.loss_impl != "plain":
                 errs.append(f"init_drafter: {cfg.init_drafter} has a confidence head, which needs "
                             f"loss_impl=plain (the fused loss computes the CE only)")
             if not errs:
