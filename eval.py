@@ -51,8 +51,8 @@ def crop(cache, length):
 
 
 def draft(drafter, target, block_1K, new_hidden_1TC, cache, start, temperature, generator):
-    """One drafter call -> (drafts for block offsets 1..K-1 [1, K-1], cache of 0..start-1, the confidence head's
-    probabilities for them [K-1], None without one); tests replace it."""
+    """One drafter call -> (drafts for block offsets 1..K-1 [1, K-1], cache of 0..start-1, the
+    confidence head's probabilities for them [K-1], None without one); tests replace it."""
     x_1KD = F.embedding(block_1K, target.get_input_embeddings().weight)  # raw rows, exactly as dflash_loss embeds
     h_1KD, cache = drafter.forward_cached(x_1KD, new_hidden_1TC, cache, start)
     logits = target.get_output_embeddings()(h_1KD[:, 1:])  # offset 0 is the clean anchor: its output is unused
@@ -62,7 +62,7 @@ def draft(drafter, target, block_1K, new_hidden_1TC, cache, start, temperature, 
     for k in range(logits.shape[1]):
         toks.append(pick(logits[:, k] + drafter.markov_head(toks[-1]).to(logits.dtype), temperature, generator))
     conf = None
-    if drafter.cfg.confidence_head:  # on [h ; markov_w1[previous drafted token]], as the engines call it
+    if drafter.cfg.confidence_head:  # on [h ; markov_w1[previous drafted token]], as engines do
         conf = torch.sigmoid(drafter.confidence_logits(h_1KD[0, 1:], torch.cat(toks[:-1])))
     return torch.stack(toks[1:], 1), cache, conf
 
@@ -83,8 +83,8 @@ def _clock(dev, times=None, key=None, t0=0.0):
 @sdpa_kernel(NO_CUDNN)
 def spec_decode(target, drafter, prompt_ids, max_new, block_size, eos, temperature=0.0, generator=None, times=None):
     """-> (new token ids, the first included, cut at the first EOS (kept) and at max_new; per verify cycle: tokens
-    accepted + 1, tokens of it in that output, and the confidence head's K-1 probabilities (None without a
-    head)). The authors' benchmark loop (z-lab/dflash `dflash_generate`):
+    accepted + 1, tokens of it in that output, and the confidence head's K-1 probabilities (None
+    without a head)). The authors' benchmark loop (z-lab/dflash `dflash_generate`):
     full blocks to the end, a cycle while fewer than max_new + 1 tokens are out, the stop check after each cycle (a
     first token that is EOS still gets one), every cycle counted whole. times: seconds added per phase (synced)."""
     dev, K = target.device, block_size
@@ -102,8 +102,8 @@ def spec_decode(target, drafter, prompt_ids, max_new, block_size, eos, temperatu
         block = torch.full((1, K), drafter.cfg.mask_token_id if K > 1 else 0, dtype=torch.long, device=dev)
         block[0, 0] = gen[-1]
         if K > 1:
-            block[:, 1:], cache_d, conf = draft(drafter, target, block, new_hidden, cache_d, start, temperature,
-                                                generator)
+            block[:, 1:], cache_d, conf = draft(drafter, target, block, new_hidden, cache_d, start,
+                                                temperature, generator)
             confs.append(None if conf is None else conf.tolist())
             t = _clock(dev, times, "draft", t)
         out = target(input_ids=block, position_ids=torch.arange(start, start + K, device=dev)[None],
@@ -186,8 +186,8 @@ def evaluate(target, tokenizer, drafter, prompts, max_new_tokens=256, temperatur
              per_prompt=[], divergences=[])
     for i, p in zip(range(len(prompts)) if indices is None else indices, prompts):
         t0 = _clock(dev)
-        out, lengths, committed, confs = spec_decode(target, drafter, p, max_new_tokens, K, eos, temperature,
-                                                     gen(i), c["time_s"])
+        out, lengths, committed, confs = spec_decode(target, drafter, p, max_new_tokens, K, eos,
+                                                     temperature, gen(i), c["time_s"])
         c["spec_s"] += _clock(dev) - t0
         c["new_tokens"] += len(out)
         c["per_prompt"].append(dict(
@@ -212,10 +212,10 @@ def evaluate(target, tokenizer, drafter, prompts, max_new_tokens=256, temperatur
 
 
 def calibration_sums(confs, lengths):
-    """A prompt's cycles -> per offset j = 1..K-1 the sums of the predicted prefix acceptance (the confidence
-    head's probabilities multiplied up to j, what the engines plan with) and of its squared error against the
-    realized one (1 if the cycle accepted offset j, the whole prefix up to it; DeepSpec's calibration);
-    {} without a confidence head."""
+    """A prompt's cycles -> per offset j = 1..K-1 the sums of the predicted prefix acceptance (the
+    confidence head's probabilities multiplied up to j, what the engines plan with) and of its
+    squared error against the realized one (1 if the cycle accepted offset j, so the whole prefix
+    up to it; DeepSpec's calibration); {} without a confidence head."""
     if not confs or confs[0] is None:
         return {}
     pred, sq = [0.0] * len(confs[0]), [0.0] * len(confs[0])
@@ -229,12 +229,13 @@ def calibration_sums(confs, lengths):
 
 
 def calibration(per_prompt, pos_accept, cycles):
-    """Predicted vs realized acceptance of each offset's prefix over all cycles, with the Brier score; None
-    without a confidence head."""
+    """Predicted vs realized acceptance of each offset's prefix over all cycles, with the Brier
+    score; None without a confidence head."""
     if not per_prompt or "conf_pred" not in per_prompt[0]:
         return None
-    total = lambda key: [sum(x) / max(cycles, 1) for x in zip(*(r[key] for r in per_prompt))]  # noqa
-    return dict(predicted=total("conf_pred"), realized=pos_accept, brier=total("conf_sq_err"))
+    def mean(key):  # over all cycles, per offset
+        return [sum(x) / max(cycles, 1) for x in zip(*(r[key] for r in per_prompt))]
+    return dict(predicted=mean("conf_pred"), realized=pos_accept, brier=mean("conf_sq_err"))
 
 
 def _merge(parts):
@@ -250,7 +251,8 @@ def _merge(parts):
              pos_seen_counts=[len(lengths)] * (K - 1))
     c.update({k: sum(r[k] for r in parts) for k in ("new_tokens", "spec_s", "plain_tokens", "plain_s")})
     c["time_s"] = {k: sum(r["time_s"][k] for r in parts) for k in TIME_KEYS}
-    pos_accept = [a / max(s, 1) for a, s in zip(c["pos_accept_counts"], c["pos_seen_counts"])]  # offsets 1..K-1
+    pos_accept = [a / max(s, 1)  # offsets 1..K-1
+                  for a, s in zip(c["pos_accept_counts"], c["pos_seen_counts"])]
     spec_tps = c["new_tokens"] / c["spec_s"]
     plain_tps = c["plain_tokens"] / c["plain_s"] if c["plain_s"] else None  # no baseline: no time spent on it
     return dict(  # tau: the authors' "Average Acceptance length" (the papers' figure), then the other counts
@@ -358,10 +360,11 @@ def summary(res):
         s += (f"\n  as engines print it: SGLang spec_accept_length {res['tau_sglang']:.3f}, "
               f"vLLM mean acceptance length {res['tau_vllm']:.3f} "
               f"(draft acceptance rate {res['vllm_draft_accept_rate']:.3f})")
-    if res.get("confidence"):  # the confidence head: predicted vs realized acceptance of each offset's prefix
+    if res.get("confidence"):  # the confidence head: predicted vs realized prefix acceptance
         cal = res["confidence"]
+        pairs = enumerate(zip(cal["predicted"], cal["realized"]), 1)
         s += "\n  confidence head, predicted/realized prefix acceptance by offset: " + ", ".join(
-            f"{j}: {p:.2f}/{r:.2f}" for j, (p, r) in enumerate(zip(cal["predicted"], cal["realized"]), 1))
+            f"{j}: {p:.2f}/{r:.2f}" for j, (p, r) in pairs)
     s += "\n  per verify cycle: " + ", ".join(f"{k} {ms(t[k], res['cycles'])} ms" for k in ("draft", "verify", "other"))
     if res["plain_tokens"]:  # the first token of each prompt comes from the prefill
         s += f"; plain decoding: {ms(t['plain_step'], res['plain_tokens'] - len(res['per_prompt']))} ms per token"

@@ -214,8 +214,9 @@ class DrafterConfig:
         def own(*names):  # these fields as they are
             return {n: getattr(self, n) for n in names}
         # a Markov head makes it a DSpark drafter as vLLM (`method: "dspark"`) and SGLang read one: the rank, a vanilla
-        # head, the confidence head (always on [h ; Markov embedding], the only form SGLang serves), our block
-        # layout (offset 0 holds the anchor, predicts nothing: sample_from_anchor)
+        # head, the confidence head (always on [h ; Markov embedding], the only form SGLang
+        # serves), our block layout (offset 0 holds the anchor, predicts nothing:
+        # sample_from_anchor)
         head = {"markov_rank": self.markov_rank, "markov_head_type": "vanilla",
                 "enable_confidence_head": self.confidence_head,
                 "confidence_head_with_markov": self.confidence_head,
@@ -259,8 +260,8 @@ class DrafterConfig:
                   block_size=dc.get("block_size", d.get("block_size", 16)),
                   confidence_head=bool(d.get("enable_confidence_head", False)))
         if kw["confidence_head"] and d.get("confidence_head_with_markov") is False:
-            raise ValueError(f"{where}: a confidence head on the hidden state alone "
-                             f"(confidence_head_with_markov false) is not a form this trainer builds")
+            raise ValueError(f"{where}: a confidence head on the hidden state alone (confidence_"
+                             f"head_with_markov false) is not a form this trainer builds")
         if not d.get("use_sliding_window", True):
             d["sliding_window"] = None
         for name in [n for n in cls.__dataclass_fields__ if n not in kw]:

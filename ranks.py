@@ -201,8 +201,9 @@ def memory_estimate(cfg, dcfg, target_config, targets_per_node, num_anchors=None
     R, C = B * N * K, B * S  # block rows, context positions
     chunk = min((cfg.loss_chunk or N) * K, R)  # rows per LM-head chunk
     tc = target_config.get_text_config()
-    # the target's final states: its whole depth runs; they travel beside the layers' (one more D wide), and
-    # the drafter gathers one per row and holds the target's logits, softmax and the KD terms per chunk (fp32)
+    # the target's final states: its whole depth runs; they travel beside the layers' (one more
+    # D wide), and the drafter gathers one per row and holds the target's logits, softmax and
+    # the KD terms per chunk (fp32)
     layers, embedding = _target_params(target_config, tc.num_hidden_layers if fin else
                                        max(dcfg.target_layer_ids) + 1)
     nS = nK + fin  # D-wide states per context position

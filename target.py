@@ -79,7 +79,7 @@ def features(hidden_states, layer_ids):
     return torch.cat([hidden_states[k + 1] for k in layer_ids], dim=-1)
 
 
-FINAL = "final"  # in a Capture's ids: the decoder's output after its final norm (the LM head's input)
+FINAL = "final"  # in a Capture's ids: the decoder's output after its final norm (LM head input)
 
 
 class Capture:
@@ -254,10 +254,11 @@ def target_to_float8(decoder):
 # ---------------------------------------------------------------------- the loaders, by purpose
 def load_for_capture(path, layer_ids, dtype, device, shard=None, fp8=False, verbose=False):
     """Training's frozen target -> Capture at layer_ids: the decoder up to the deepest captured
-    layer (all of it when the ids end in FINAL), built on the meta device, then `shard(decoder)` (how it is parallelized:
-    train.shard_target; None: a whole copy), filled with this rank's part of the checkpoint only,
-    its linears in FP8 with `fp8`, Gated-DeltaNet's short convolution in fla's kernel where
-    installed. verbose: print progress, then the time and the peak host memory."""
+    layer (all of it when the ids end in FINAL), built on the meta device, then
+    `shard(decoder)` (how it is parallelized: train.shard_target; None: a whole copy), filled
+    with this rank's part of the checkpoint only, its linears in FP8 with `fp8`, Gated-DeltaNet's
+    short convolution in fla's kernel where installed. verbose: print progress, then the time and
+    the peak host memory."""
     t0 = time.time()
     final = list(layer_ids)[-1] == FINAL
     base = target_decoder(path, None if final else max(layer_ids) + 1, dtype)

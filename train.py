@@ -53,8 +53,9 @@ class Config:
     sliding_layers: int = 4  # the first n drafter layers use sliding-window attention, the rest full
     sliding_window: int = 2048  # tokens, for sliding layers
     markov_rank: int = 0  # > 0: DSpark's low-rank Markov head of this rank on the drafter (model.MarkovHead)
-    # DSpark's confidence head (model.ConfidenceHead): per drafted position, the chance the target accepts it;
-    # the engines size verification from it. Needs markov_rank > 0 and loss_impl=plain
+    # DSpark's confidence head (model.ConfidenceHead): per drafted position, the chance the
+    # target accepts it; the engines size verification from it. Needs markov_rank > 0 and
+    # loss_impl=plain
     confidence_head: bool = False
     init_drafter: str = ""  # start from this released-format drafter instead of a random init
     # data
@@ -67,10 +68,12 @@ class Config:
     gamma: float = 7.0  # decay's scale
     dpace_alpha: float = 0.5  # dpace's smoothing of the drafter's confidence, (1 - alpha) q + alpha
     loss_chunk: int = 64  # blocks per lm_head+CE chunk (0 = one sequence's blocks); the logits exist per chunk only
-    # the target's distribution p (its final state through the LM head) as a target beside the CE, plain path only:
-    # none | kl = KL(p || q) | l1 = sum_v |q_v - p_v| (2x total variation: DSpark's L1)
+    # the target's distribution p (its final state through the LM head) as a target beside the
+    # CE, plain path only: none | kl = KL(p || q) | l1 = sum_v |q_v - p_v| (2x total variation:
+    # DSpark's L1)
     kd_loss: str = "none"
-    kd_weight: float = 0.9  # per row (1 - kd_weight) CE + kd_weight KD; 0.9 with l1 is DSpark's CE 0.1 + L1 0.9
+    # per row (1 - kd_weight) CE + kd_weight KD; 0.9 with l1 is DSpark's CE 0.1 + L1 0.9
+    kd_weight: float = 0.9
     confidence_weight: float = 1.0  # the confidence head's BCE beside them (DSpark: 1.0)
     # the LM head + CE: fused = fused.HeadCE (the input gradient computed in its forward: faster) |
     # plain = torch autograd per chunk (model.plain_head_loss, new losses start there), same results
@@ -204,7 +207,7 @@ def train(cfg, d, target_config, tokenizer):
               f"steps of {P} micro-batches x {cfg.batch_size}" + (f"; resuming at step {start}" if state else ""),
               flush=True)
         warn_config_changes(cfg, state)
-    final = final_states(cfg, dcfg)  # the target's final states travel too, D wide after the layers'
+    final = final_states(cfg, dcfg)  # the target's final states travel too, after the layers'
     capture = None
     if d.is_target:
         shard = partial(shard_target, mesh=d.target_mesh)
@@ -250,7 +253,8 @@ def accumulate(step, cfg, models, source, schedule):
         # anchors depend only on (seed, m): the same sequences get the same blocks whatever the topology
         gen = torch.Generator(hidden.device).manual_seed(cfg.seed * 1_000_003 + m)
         anchors, keep = sample_anchors(batch["loss_mask"], cfg.num_anchors, gen)
-        C = len(drafter.cfg.target_layer_ids) * drafter.cfg.hidden_size  # the layers' states, then the final
+        # the layers' states, then the final ones (if sent)
+        C = len(drafter.cfg.target_layer_ids) * drafter.cfg.hidden_size
         inputs = LossBatch(batch["input_ids"], batch["loss_mask"], hidden[..., :C], anchors, keep,
                            hidden[..., C:] if hidden.shape[-1] > C else None)
         r = dflash_loss(drafter, Tables(embed, head), inputs, loss_options(cfg, hidden.device))
@@ -401,8 +405,8 @@ SHAPE = [
     ("mask_token", lambda c, t: not _is_id(c.mask_token) or int(c.mask_token) < t.vocab_size,
      "must be < the target vocabulary ({t.vocab_size})"),
     ("confidence_head", lambda c, t: not c.confidence_head or c.markov_rank > 0 or c.init_drafter,
-     "needs markov_rank > 0 (vLLM and SGLang serve a confidence head only on a DSpark drafter, fed the "
-     "Markov embedding)"),
+     "needs markov_rank > 0 (vLLM and SGLang serve a confidence head only on a DSpark "
+     "drafter, fed the Markov embedding)"),
     ("init_drafter", lambda c, t: not c.init_drafter or all(
         os.path.isfile(os.path.join(c.init_drafter, f)) for f in ("config.json", "model.safetensors")),
      "holds no config.json + model.safetensors"),
@@ -432,7 +436,7 @@ RULES = SHAPE + [
     ("kd_loss", lambda c, t: c.kd_loss in ("none", "kl", "l1"), "must be none, kl or l1"),
     *_each(["kd_weight"], lambda x: 0 <= x <= 1, "must be in [0, 1]"),
     *_each(["confidence_weight"], lambda x: 0 <= x < INF, "must be >= 0 and finite"),
-    # fused.HeadCE computes the CE (and the Markov head's) only: these terms live in model.chunk_loss
+    # fused.HeadCE computes the CE (and the Markov head's) only: these live in model.chunk_loss
     *[(f, lambda c, t, f=f: getattr(c, f) in ("none", False) or c.loss_impl == "plain",
        "needs loss_impl=plain (the fused loss computes the CE only)", ["loss_impl"])
       for f in ("kd_loss", "confidence_head")],
@@ -564,7 +568,8 @@ def loss_options(cfg, device):
                        chunk_blocks=cfg.loss_chunk,
                        backend="flex" if device.type == "cuda" else "sdpa",
                        head_loss=fused_head_loss if cfg.loss_impl == "fused" else None,
-                       kd=cfg.kd_loss, kd_weight=cfg.kd_weight, confidence_weight=cfg.confidence_weight)
+                       kd=cfg.kd_loss, kd_weight=cfg.kd_weight,
+                       confidence_weight=cfg.confidence_weight)
 
 
 def load_data(cfg, d, tokenizer, mask_id):

@@ -40,8 +40,8 @@ def tiny_target(arch="llama", seed=0):
 def tiny_drafter(target, block_size=16, seed=1, markov_rank=0, confidence_head=False):
     torch.manual_seed(seed)
     cfg = drafter_config_from_target(target.config, None, num_layers=2, mask_token=MASK, block_size=block_size,
-                                     target_layer_ids=[1, 2], markov_rank=markov_rank,  # 4 layers: ids set here
-                                     confidence_head=confidence_head)
+                                     target_layer_ids=[1, 2],  # 4 layers: ids set here
+                                     markov_rank=markov_rank, confidence_head=confidence_head)
     return DFlashDrafter(cfg).eval()
 
 
@@ -103,7 +103,8 @@ def test_markov_head_drafts_left_to_right_and_stays_lossless(llama):
         hidden = features(out.hidden_states, drafter.cfg.target_layer_ids)
         block = torch.full((1, 8), MASK)
         block[0, 0] = p[-1]
-        toks, _, conf = ev.draft(drafter, target, block, hidden[:, :-1], None, len(p) - 1, 0.0, None)
+        toks, _, conf = ev.draft(drafter, target, block, hidden[:, :-1], None, len(p) - 1, 0.0,
+                                 None)
         assert conf is None  # no confidence head
         h, _ = drafter.forward_cached(torch.nn.functional.embedding(block, target.get_input_embeddings().weight),
                                       hidden[:, :-1], None, len(p) - 1)
@@ -118,24 +119,28 @@ def test_markov_head_drafts_left_to_right_and_stays_lossless(llama):
 
 
 def test_confidence_calibration_on_hand_made_cycles():
-    """Two cycles of K = 4: head probabilities (0.9, 0.5, 0.5) with 2 drafts accepted, (0.8, 1.0, 0.5) with none.
-    Predicted prefix acceptance = the running product: (0.9, 0.45, 0.225) and (0.8, 0.8, 0.4); realized: (1, 1, 0)
-    and (0, 0, 0); per offset the sums of the predictions and of the squared errors, then the means over cycles."""
+    """Two cycles of K = 4: head probabilities (0.9, 0.5, 0.5) with 2 drafts accepted, (0.8, 1.0,
+    0.5) with none. Predicted prefix acceptance = the running product: (0.9, 0.45, 0.225) and
+    (0.8, 0.8, 0.4); realized: (1, 1, 0) and (0, 0, 0); per offset the sums of the predictions and
+    of the squared errors, then the means over cycles."""
     sums = ev.calibration_sums([[0.9, 0.5, 0.5], [0.8, 1.0, 0.5]], [3, 1])
     want_pred, want_sq = [1.7, 1.25, 0.625], [0.01 + 0.64, 0.3025 + 0.64, 0.225 ** 2 + 0.16]
     for got, want in ((sums["conf_pred"], want_pred), (sums["conf_sq_err"], want_sq)):
         assert got == pytest.approx(want)
     cal = ev.calibration([sums], [0.5, 0.5, 0.0], 2)
     assert cal["predicted"] == pytest.approx([0.85, 0.625, 0.3125])
-    assert cal["brier"] == pytest.approx([x / 2 for x in want_sq]) and cal["realized"] == [0.5, 0.5, 0.0]
-    assert ev.calibration_sums([None, None], [1, 2]) == {} and ev.calibration([{}], [0.5], 1) is None
+    assert cal["brier"] == pytest.approx([x / 2 for x in want_sq])
+    assert cal["realized"] == [0.5, 0.5, 0.0]
+    assert ev.calibration_sums([None, None], [1, 2]) == {}
+    assert ev.calibration([{}], [0.5], 1) is None
 
 
 def test_confidence_head_stays_lossless_and_is_reported(llama):
-    """A drafter with a Markov and a confidence head (random, with a large spread): greedy decoding stays lossless
-    in fp32, and the results carry the head's calibration per offset 1..K-1: predicted prefix acceptance (the
-    product of the head's probabilities over [h ; markov_w1[previous drafted token]], written out here for the
-    first cycle) against the realized rate (pos_accept), with its Brier score."""
+    """A drafter with a Markov and a confidence head (random, with a large spread): greedy decoding
+    stays lossless in fp32, and the results carry the head's calibration per offset 1..K-1:
+    predicted prefix acceptance (the product of the head's probabilities over [h ;
+    markov_w1[previous drafted token]], written out here for the first cycle) against the
+    realized rate (pos_accept), with its Brier score."""
     target, _ = llama
     drafter = tiny_drafter(target, block_size=8, markov_rank=4, confidence_head=True)
     with torch.no_grad():
@@ -152,14 +157,16 @@ def test_confidence_head_stays_lossless_and_is_reported(llama):
         hidden = ev.features(out.hidden_states, drafter.cfg.target_layer_ids)
         block = torch.full((1, 8), MASK)
         block[0, 0] = p[-1]
-        toks, _, conf = ev.draft(drafter, target, block, hidden[:, :-1], None, len(p) - 1, 0.0, None)
-        h, _ = drafter.forward_cached(torch.nn.functional.embedding(block, target.get_input_embeddings().weight),
-                                      hidden[:, :-1], None, len(p) - 1)
+        toks, _, conf = ev.draft(drafter, target, block, hidden[:, :-1], None, len(p) - 1, 0.0,
+                                 None)
+        x = torch.nn.functional.embedding(block, target.get_input_embeddings().weight)
+        h, _ = drafter.forward_cached(x, hidden[:, :-1], None, len(p) - 1)
         prev = torch.tensor([p[-1]] + toks[0, :-1].tolist())
         x = torch.cat([h[0, 1:], drafter.markov_head.markov_w1(prev)], -1)
         torch.testing.assert_close(conf, torch.sigmoid(drafter.confidence_head.proj(x)[:, 0]))
-    assert ev.evaluate(target, None, tiny_drafter(target, 8, markov_rank=4), prompts(1), 8, eos_ids=[EOS],
-                       warmup=False)["confidence"] is None
+    no_head = tiny_drafter(target, 8, markov_rank=4)
+    res = ev.evaluate(target, None, no_head, prompts(1), 8, eos_ids=[EOS], warmup=False)
+    assert res["confidence"] is None
 
 
 def test_eos_inside_block(llama):

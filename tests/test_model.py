@@ -674,7 +674,8 @@ def _teacher_reference(drafter, tables, batch, weighting="decay"):
     if drafter.cfg.markov_rank:
         logits = logits + drafter.markov_head(prev)
     ce = F.cross_entropy(logits, labels.reshape(-1), reduction="none")
-    at = torch.tensor([[max(int(a) + k - 1, 0) for a in anchors[b] for k in range(K)] for b in range(2)])
+    at = torch.tensor([[max(int(a) + k - 1, 0) for a in anchors[b] for k in range(K)]
+                       for b in range(2)])
     teacher = torch.stack([batch.final_BSD[b, at[b].clamp(max=29)] for b in range(2)]).view(-1, D)
     p = (teacher @ tables.head_VD.t()).softmax(-1)
     w = decay.reshape(-1)
@@ -721,7 +722,8 @@ def test_confidence_head_loss_labels_and_gradients():
     z = drafter.confidence_head.proj(torch.cat([h, drafter.markov_head.markov_w1(prev)], -1))
     bce = F.binary_cross_entropy_with_logits(z.squeeze(-1), label, reduction="none")
     _same_loss_and_gradients(drafter, r, grads, (w * (ce + 0.5 * bce)).sum())
-    assert grads["confidence_head.proj.weight"].abs().sum() > 0 and grads["confidence_head.proj.bias"] != 0
+    assert grads["confidence_head.proj.weight"].abs().sum() > 0
+    assert grads["confidence_head.proj.bias"] != 0
     assert 0 < float(label[w > 0].min()) and float(label.max()) < 1
 
 
@@ -742,7 +744,8 @@ def test_confidence_head_checkpoint_as_the_engines_read_it(tmp_path):
     assert shapes == {"confidence_head.proj.weight": [1, D + 8], "confidence_head.proj.bias": [1]}
     back = load_drafter(tmp_path)
     assert back.cfg == cfg and back.cfg.confidence_head
-    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), drafter.state_dict().values()))
+    sd = drafter.state_dict()
+    assert all(torch.equal(v, sd[k]) for k, v in back.state_dict().items())
     with pytest.raises(ValueError, match="confidence_head needs markov_rank"):
         dataclasses.replace(tiny_cfg(), confidence_head=True)
     c["confidence_head_with_markov"] = False

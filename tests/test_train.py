@@ -205,9 +205,9 @@ def test_dpace_normalization_is_split_invariant(tiny_target, convs, tmp_path):
 
 
 def test_capture_final_state_is_the_lm_heads_input(tiny_target):
-    """Ids ending in FINAL: the whole decoder is built and the capture appends its output after the final norm,
-    D wide, after the layers' states; through the LM head it gives the target's own logits. Without FINAL the
-    decoder stops at the deepest captured layer, as before."""
+    """Ids ending in FINAL: the whole decoder is built and the capture appends its output after the
+    final norm, D wide, after the layers' states; through the LM head it gives the target's own
+    logits. Without FINAL the decoder stops at the deepest captured layer, as before."""
     from transformers import AutoModelForCausalLM
     from target import FINAL
     hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
@@ -217,21 +217,23 @@ def test_capture_final_state_is_the_lm_heads_input(tiny_target):
     cap = load_for_capture(str(tiny_target), [0, 2, 3, FINAL], torch.float32, torch.device("cpu"))
     got = cap(ids)
     assert got.shape == (2, 20, 4 * 64) and len(cap.base.layers) == 6
-    torch.testing.assert_close(got[..., :192], torch.cat([out.hidden_states[k + 1] for k in (0, 2, 3)], -1))
+    layers = torch.cat([out.hidden_states[k + 1] for k in (0, 2, 3)], -1)
+    torch.testing.assert_close(got[..., :192], layers)
     torch.testing.assert_close(hf.lm_head(got[..., 192:]), out.logits, atol=1e-4, rtol=1e-4)
     plain = load_for_capture(str(tiny_target), [0, 2, 3], torch.float32, torch.device("cpu"))
     assert len(plain.base.layers) == 4 and torch.equal(plain(ids), got[..., :192])
 
 
 def test_kd_and_confidence_head_train_through_train_py(tiny_target, convs, tmp_path):
-    """The target-distribution loss and the confidence head through the real main(): under torchrun (2 targets
-    + 1 drafter: the final states travel with the layers') --kd_loss=l1 with a Markov and a confidence head, and
-    in one process --kd_loss=kl under D-PACE. Both end, the loss falls, the first checkpoint carries the head (its
-    weights moved from their init), and each loss differs from the CE-only run's on the same data and seed."""
+    """The target-distribution loss and the confidence head through the real main(): under torchrun
+    (2 targets + 1 drafter: the final states travel with the layers') --kd_loss=l1 with a Markov
+    and a confidence head, and in one process --kd_loss=kl under D-PACE. Both end, the loss falls,
+    the checkpoint carries the head (its weights moved from their init), and the kl run's loss
+    differs from the CE-only run's on the same data and seed."""
     from model import load_drafter
     common = ["--max_steps=6", "--loss_impl=plain", "--lr=3e-3"]
-    runs = {"l1": (3, ["--kd_loss=l1", "--markov_rank=8", "--confidence_head=true", "--target_ranks=2",
-                       "--drafter_ranks=1"]),
+    runs = {"l1": (3, ["--kd_loss=l1", "--markov_rank=8", "--confidence_head=true",
+                       "--target_ranks=2", "--drafter_ranks=1"]),
             "kl": (1, ["--kd_loss=kl", "--kd_weight=0.5", "--loss_weighting=dpace"]),
             "ce": (1, ["--loss_weighting=dpace"])}
     for name, (nproc, extra) in runs.items():
@@ -242,7 +244,8 @@ def test_kd_and_confidence_head_train_through_train_py(tiny_target, convs, tmp_p
     init, last = (load_drafter(tmp_path / "l1" / "r" / n) for n in ("init", "ckpt-0000006"))
     assert last.cfg.confidence_head and init.cfg == last.cfg
     assert not torch.equal(init.confidence_head.proj.weight, last.confidence_head.proj.weight)
-    assert metrics(tmp_path / "kl")[0]["loss"] != pytest.approx(metrics(tmp_path / "ce")[0]["loss"], rel=1e-3)
+    kl, ce = (metrics(tmp_path / name)[0]["loss"] for name in ("kl", "ce"))
+    assert kl != pytest.approx(ce, rel=1e-3)
 
 
 def test_markov_head_trains_through_train_py(tiny_target, convs, tmp_path):
