@@ -23,7 +23,7 @@ from data import demo_settings
 from fused import Float8Head, Head, HeadCE, HeadTask
 from model import (DFlashDrafter, DrafterConfig, LossBatch, Tables, build_target_layer_ids,
                    dflash_loss, sample_anchors, to_float8)
-from ranks import GiB, memory_need
+from ranks import GiB, final_states, memory_need
 from target import (Capture, Float8Frozen, fla_short_conv, load_for_generation, load_tokenizer,
                     target_to_float8)
 from train import Config, Optimizer, loss_options
@@ -140,7 +140,11 @@ def bench_drafter(args):
     torch.manual_seed(0)
     case = f"drafter {args.preset}" + " eager layers" * args.eager + f" fp8 {args.fp8}" * bool(args.fp8) + (
         " fp8 LM head" * args.fp8_head + f" Markov head r={args.markov_rank}" * (args.markov_rank > 0))
-    cfg, row = DrafterConfig(**PRESETS[args.preset], markov_rank=args.markov_rank), table(case)
+    case += f" {args.loss_impl} loss" + f" kd {args.kd_loss}" * (args.kd_loss != "none")
+    case += " confidence head" * args.confidence_head
+    cfg = DrafterConfig(**PRESETS[args.preset], markov_rank=args.markov_rank,
+                        confidence_head=args.confidence_head)
+    row = table(case)
     drafter = DFlashDrafter(cfg).to("cuda", torch.bfloat16)
     drafter.compile_layers = not args.eager
     if args.fp8:  # torchao float8 linears, as train.py's --fp8
@@ -149,17 +153,20 @@ def bench_drafter(args):
     embed, head = (torch.randn(V, D, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in "eh")
     head = Float8Head(head) if args.fp8_head else head  # as train.py's --fp8_head
     gen = torch.Generator("cuda").manual_seed(0)
-    opts = loss_options(Config(loss_chunk=args.chunk), torch.device("cuda"))
+    train_cfg = Config(loss_chunk=args.chunk, loss_impl=args.loss_impl, kd_loss=args.kd_loss)
+    opts = loss_options(train_cfg, torch.device("cuda"))
+    C, fin = len(cfg.target_layer_ids) * D, final_states(train_cfg, cfg)  # + the final states
 
     def batch(S):  # random ids and target states; a quarter prompt, the rest response
         ids, lm = torch.randint(0, V, (1, S), device="cuda"), torch.zeros(1, S, device="cuda")
         lm[:, S // 4:] = 1
-        return ids, lm, torch.randn(1, S, len(cfg.target_layer_ids) * D, device="cuda", dtype=torch.bfloat16)
+        return ids, lm, torch.randn(1, S, C + fin * D, device="cuda", dtype=torch.bfloat16)
 
     def step(ids, lm, hidden, backward=True):
         anchors, keep = sample_anchors(lm, args.anchors, gen)
-        r = dflash_loss(drafter, Tables(embed, head), LossBatch(ids, lm, hidden, anchors, keep),
-                        opts)
+        final = hidden[..., C:] if fin else None
+        r = dflash_loss(drafter, Tables(embed, head),
+                        LossBatch(ids, lm, hidden[..., :C], anchors, keep, final), opts)
         if backward:
             (r["loss_sum"] / r["weight_sum"]).backward()
     steps = lambda *lengths: cuda_time(lambda: [step(*batch(s)) for s in lengths], 1, warmup=0)  # -> ms, one each
@@ -525,6 +532,8 @@ def main(argv=None):
                                 ("--cases", "", "all: indices into CASES, e.g. 0,1,2; default all but 7"),
                                 ("--json", "", "also write the rows here"), ("--chunk", 64, "objective chunk (blocks)"),
                                 ("--markov_rank", 0, "drafter: a Markov head of this rank"),
+                                ("--loss_impl", "fused", "drafter: fused | plain (train.py's)"),
+                                ("--kd_loss", "none", "drafter: none | kl | l1 (needs plain)"),
                                 ("--fp8", "", "drafter, e2e: tensorwise | rowwise FP8 linears (torchao)"),
                                 ("--case-timeout", 300, "all: seconds per case"), ("--anchors", 512, None),
                                 ("--new_tokens", 128, "decode: new tokens"),
@@ -536,6 +545,7 @@ def main(argv=None):
                        ("--profile", "drafter, target"), ("--no-fla", "27b: transformers' torch fallback kernels"),
                        ("--torch-conv", "target 27b: the short convolution in transformers' torch path, fla elsewhere"),
                        ("--fp8_head", "drafter, e2e: the LM head's matmuls in FP8 (fused)"),
+                       ("--confidence_head", "drafter: DSpark's (needs --markov_rank, plain)"),
                        ("--target_fp8",
                         "target, e2e: the target's linears in FP8 (target.Float8Frozen)")):
         ap.add_argument(flag, action="store_true", help=help)
