@@ -135,13 +135,18 @@ def optimizer_ms(drafter):
     return cuda_time(opt_step, 10)
 
 
+def drafter_case(args):
+    """The drafter bench's row title: the preset and every variant on."""
+    case = f"drafter {args.preset}" + " eager layers" * args.eager + f" fp8 {args.fp8}" * bool(args.fp8) + (
+        " fp8 LM head" * args.fp8_head + f" Markov head r={args.markov_rank}" * (args.markov_rank > 0))
+    case += " plain loss" * (args.loss_impl == "plain") + f" kd {args.kd_loss}" * (args.kd_loss != "none")
+    return case + " confidence head" * args.confidence_head
+
+
 def bench_drafter(args):
     configure_compile()
     torch.manual_seed(0)
-    case = f"drafter {args.preset}" + " eager layers" * args.eager + f" fp8 {args.fp8}" * bool(args.fp8) + (
-        " fp8 LM head" * args.fp8_head + f" Markov head r={args.markov_rank}" * (args.markov_rank > 0))
-    case += f" {args.loss_impl} loss" + f" kd {args.kd_loss}" * (args.kd_loss != "none")
-    case += " confidence head" * args.confidence_head
+    case = drafter_case(args)
     cfg = DrafterConfig(**PRESETS[args.preset], markov_rank=args.markov_rank,
                         confidence_head=args.confidence_head)
     row = table(case)
