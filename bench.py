@@ -139,7 +139,8 @@ def drafter_case(args):
     """The drafter bench's row title: the preset and every variant on."""
     case = f"drafter {args.preset}" + " eager layers" * args.eager + f" fp8 {args.fp8}" * bool(args.fp8) + (
         " fp8 LM head" * args.fp8_head + f" Markov head r={args.markov_rank}" * (args.markov_rank > 0))
-    case += " plain loss" * (args.loss_impl == "plain") + f" kd {args.kd_loss}" * (args.kd_loss != "none")
+    case += " plain loss" * (args.loss_impl == "plain")
+    case += f" kd {args.kd_loss}" * (args.kd_loss != "none")
     return case + " confidence head" * args.confidence_head
 
 
