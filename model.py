@@ -548,7 +548,7 @@ class LossOptions:
     # LossBatch.final_BSD). kd: none | kl = KL(p || q) | l1 = sum_v |q_v - p_v| (= 2 TV, DSpark's
     # L1); per row (1 - kd_weight) CE + kd_weight KD, under the row's weight (decay or D-PACE)
     kd: str = "none"
-    kd_weight: float = 0.0
+    kd_weight: float = 0.9  # with l1: DSpark's CE 0.1 + L1 0.9 (DeepSpec's recipes)
     # the confidence head's BCE, added under the same row weights (DSpark: 1.0)
     confidence_weight: float = 1.0
 
