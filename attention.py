@@ -82,12 +82,15 @@ def _tiles_to_ordered(tiles_BQT):
     return tiles_BQT.sum(-1, dtype=torch.int32).unsqueeze(1), order.to(torch.int32).unsqueeze(1)
 
 
-def _block_mask(anchors_BN, keep_BN, S_t, K, window, QT, KVT, Q, KV, mask_mod):
-    """The DFlash BlockMask from its tile tables. A KV tile is 'partial' if any row of the Q tile may see any key in
-    it (union of the rows' intervals, by a difference array), and 'full' if every row sees all of it (intersection of
-    intervals), so the kernel skips mask evaluation there. Pure tensor ops, no host sync; from_kv_blocks also derives
-    the transposed (per KV tile) tables of the backward."""
+def _block_mask(anchors_BN, keep_BN, S_t, K, KV, window, mask_mod):
+    """The DFlash BlockMask over KV = S + N*K keys from its tile tables. A KV tile is 'partial' if
+    any row of the Q tile may see any key in it (union of the rows' intervals, by a difference
+    array), and 'full' if every row sees all of it (intersection of intervals), so the kernel skips
+    mask evaluation there. Pure tensor ops, no host sync; from_kv_blocks also derives the transposed
+    (per KV tile) tables of the backward."""
     B, dev = anchors_BN.shape[0], anchors_BN.device
+    Q = anchors_BN.shape[1] * K
+    QT, KVT = -(-Q // TILE), -(-KV // TILE)  # query tiles, key tiles
     lo_hi = _row_intervals(anchors_BN, keep_BN, S_t, K, window, QT * TILE)
     diff = torch.zeros(B, QT * (KVT + 1), dtype=torch.int32, device=dev)
     qtile = (torch.arange(QT * TILE, device=dev) // TILE).expand(B, -1)
@@ -106,8 +109,8 @@ def _block_mask(anchors_BN, keep_BN, S_t, K, window, QT, KVT, Q, KV, mask_mod):
     return BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(Q, KV))
 
 
-def _block_masks(anchors_BN, keep_BN, S_t, K, windows, QT, KVT, Q, KV, mask_mods):
-    return [_block_mask(anchors_BN, keep_BN, S_t, K, w, QT, KVT, Q, KV, m) for w, m in zip(windows, mask_mods)]
+def _block_masks(anchors_BN, keep_BN, S_t, K, KV, windows, mask_mods):
+    return [_block_mask(anchors_BN, keep_BN, S_t, K, KV, w, m) for w, m in zip(windows, mask_mods)]
 
 
 # On CUDA one compiled graph for all the layer types' masks of a step: eager, ~60 small kernel launches per type the GPU
@@ -124,8 +127,8 @@ def dflash_block_masks(anchors_BN, keep_BN, S, K, windows, compiled=None):
     where the speed is. compiled: default on CUDA tensors; True works on CPU too (tests compare both)."""
     Q, S_t = anchors_BN.shape[1] * K, torch.as_tensor(S, device=anchors_BN.device)
     build = _block_masks_compiled if (anchors_BN.is_cuda if compiled is None else compiled) else _block_masks
-    return build(anchors_BN, keep_BN, S_t, K, tuple(windows), -(-Q // TILE), -(-(S + Q) // TILE), Q, S + Q,
-                 [dflash_mask_mod(anchors_BN, keep_BN, S_t, K, w) for w in windows])
+    mask_mods = [dflash_mask_mod(anchors_BN, keep_BN, S_t, K, w) for w in windows]
+    return build(anchors_BN, keep_BN, S_t, K, S + Q, tuple(windows), mask_mods)
 
 
 def dflash_block_mask(anchors_BN, keep_BN, S, K, window=None, compiled=None):

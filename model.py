@@ -213,14 +213,18 @@ class DrafterConfig:
     def to_json_dict(self):
         def own(*names):  # these fields as they are
             return {n: getattr(self, n) for n in names}
-        # a Markov head makes it a DSpark drafter as vLLM (`method: "dspark"`) and SGLang read one: the rank, a vanilla
-        # head, the confidence head (always on [h ; Markov embedding], the only form SGLang
-        # serves), our block layout (offset 0 holds the anchor, predicts nothing:
-        # sample_from_anchor)
-        head = {"markov_rank": self.markov_rank, "markov_head_type": "vanilla",
-                "enable_confidence_head": self.confidence_head,
-                "confidence_head_with_markov": self.confidence_head,
-                "sample_from_anchor": False, "mask_token_id": self.mask_token_id,
+        # a Markov head makes it a DSpark drafter as vLLM (`method: "dspark"`) and SGLang read
+        # one: the rank, a vanilla head (w2(w1[prev]), both [V, r]), the confidence head (always
+        # on [h ; Markov embedding], the only form SGLang serves), our block layout (offset 0
+        # holds the anchor, predicts nothing: sample_from_anchor). SpecForge's DSparkDraftModel
+        # reads the head from dflash_config instead, with projector_type dspark and attention_mode
+        # gqa (fewer KV heads) or mha (specforge/modeling/draft/dspark.py)
+        dspark = {"markov_rank": self.markov_rank, "markov_head_type": "vanilla",
+                  "enable_confidence_head": self.confidence_head,
+                  "confidence_head_with_markov": self.confidence_head}
+        gqa = self.num_key_value_heads < self.num_attention_heads
+        nested = {**dspark, "projector_type": "dspark", "attention_mode": "gqa" if gqa else "mha"}
+        head = {**dspark, "sample_from_anchor": False, "mask_token_id": self.mask_token_id,
                 "target_layer_ids": list(self.target_layer_ids)} if self.markov_rank else {}
         return {
             # no auto_map: the engines register these names themselves
@@ -241,8 +245,10 @@ class DrafterConfig:
             "use_cache": True,
             # the authors' loaders read block_size here, SGLang in dflash_config first
             **own("block_size", "num_target_layers"),
-            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
-                              "block_size": self.block_size},
+            "dflash_config": {"mask_token_id": self.mask_token_id,
+                              "target_layer_ids": list(self.target_layer_ids),
+                              "block_size": self.block_size,
+                              **(nested if self.markov_rank else {})},
         }
 
     @classmethod
@@ -258,8 +264,12 @@ class DrafterConfig:
             d["rope_theta"] = d["rope_parameters"]["rope_theta"]
         kw = dict(target_layer_ids=list(ids), mask_token_id=dc["mask_token_id"],
                   block_size=dc.get("block_size", d.get("block_size", 16)),
-                  confidence_head=bool(d.get("enable_confidence_head", False)))
-        if kw["confidence_head"] and d.get("confidence_head_with_markov") is False:
+                  # SpecForge writes the head's fields nested only
+                  markov_rank=dc.get("markov_rank", d.get("markov_rank", 0)),
+                  confidence_head=bool(dc.get("enable_confidence_head",
+                                              d.get("enable_confidence_head", False))))
+        with_markov = (dc.get("confidence_head_with_markov"), d.get("confidence_head_with_markov"))
+        if kw["confidence_head"] and False in with_markov:
             raise ValueError(f"{where}: a confidence head on the hidden state alone (confidence_"
                              f"head_with_markov false) is not a form this trainer builds")
         if not d.get("use_sliding_window", True):
@@ -283,11 +293,14 @@ def build_target_layer_ids(num_target_layers, n):
     return [int(round(start + i * (end - start) / (n - 1))) for i in range(n)]
 
 
-def drafter_config_from_target(target_config, tokenizer=None, num_layers=5, num_target_features=None,
-                               block_size=16, mask_token=None, layer_types=None, sliding_window=None, **overrides):
-    """A drafter config from any HF causal-LM config (nested text_config ok): sizes, heads, rope and vocab from the
-    target, target_layer_ids by the released rule. Mask token: `mask_token` (string or id), else the tokenizer's,
-    else the first unused embedding row (released convention); SmolLM2 has none free: pass e.g. "<empty_output>"."""
+def drafter_config_from_target(target_config, tokenizer=None, mask_token=None,
+                               num_target_features=None, **fields):
+    """A drafter config from any HF causal-LM config (nested text_config ok): sizes, heads, rope
+    and vocab from the target, target_layer_ids by the released rule (num_target_features ids;
+    default: one per drafter layer). fields: DrafterConfig fields to set (num_hidden_layers,
+    block_size, layer_types, ...). Mask token: `mask_token` (string or id), else the tokenizer's,
+    else the first unused embedding row (released convention); SmolLM2 has none free: pass e.g.
+    "<empty_output>"."""
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     L, vocab = tc.num_hidden_layers, tc.vocab_size
     if mask_token is not None:
@@ -308,14 +321,15 @@ def drafter_config_from_target(target_config, tokenizer=None, num_layers=5, num_
         scaling = None  # mrope/partial rotary belong to the target's own attention; the drafter is plain Qwen3
     if scaling is not None:
         scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
-    cfg = dict(hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_hidden_layers=num_layers,
+    n_ids = num_target_features or fields.get("num_hidden_layers", DrafterConfig.num_hidden_layers)
+    cfg = dict(hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
                num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
                head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
-               vocab_size=vocab, rms_norm_eps=tc.rms_norm_eps, rope_theta=float(theta), rope_scaling=scaling,
-               max_position_embeddings=tc.max_position_embeddings, block_size=block_size, num_target_layers=L,
-               target_layer_ids=build_target_layer_ids(L, num_target_features or num_layers), mask_token_id=mask_id,
-               layer_types=layer_types, sliding_window=sliding_window)
-    return DrafterConfig(**(cfg | overrides))
+               vocab_size=vocab, rms_norm_eps=tc.rms_norm_eps, rope_theta=float(theta),
+               rope_scaling=scaling, max_position_embeddings=tc.max_position_embeddings,
+               num_target_layers=L, target_layer_ids=build_target_layer_ids(L, n_ids),
+               mask_token_id=mask_id)
+    return DrafterConfig(**(cfg | fields))
 
 
 # ----------------------------------------------------------------------------- the drafter

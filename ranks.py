@@ -187,12 +187,16 @@ USABLE = 0.95  # of a device: the CUDA context or the interpreter, and the alloc
 
 
 def memory_estimate(cfg, dcfg, target_config, targets_per_node, num_anchors=None):
-    """GiB per GPU by role and part, for a micro-batch of batch_size sequences of max_length tokens. Drafter: its state
-    (bf16 weights and gradients, fp32 masters, Adam's moments, the flat fp32 gradient), the frozen embedding and head,
-    the target's states, the activations saved for backward (per block row, per context position), one LM-head chunk
-    (logits, fp32 softmax, gradient). Target: its shard, the gathered layers (current and next), one layer's forward
-    activations, the states in flight. Within a few percent of measured peaks (BENCHMARKS.md)."""
-    N, S, B, b = num_anchors or cfg.num_anchors, cfg.max_length, cfg.batch_size, 2 if cfg.dtype == "bfloat16" else 4
+    """GiB per GPU by role and part, for a micro-batch of batch_size sequences of max_length tokens,
+    padded up to a multiple of pad_multiple as data.Batcher pads. Drafter: its state (bf16 weights
+    and gradients, fp32 masters, Adam's moments, the flat fp32 gradient), the frozen embedding and
+    head, the target's states, the activations saved for backward (per block row, per context
+    position), one LM-head chunk (logits, fp32 softmax, gradient). Target: its shard, the gathered
+    layers (current and next), one layer's forward activations, the states in flight. Within a few
+    percent of measured peaks (BENCHMARKS.md)."""
+    N, B = num_anchors or cfg.num_anchors, cfg.batch_size
+    b = 4 if cfg.dtype == "float32" else 2  # bytes per element; auto is bf16 on GPUs
+    S = -(-cfg.max_length // cfg.pad_multiple) * cfg.pad_multiple  # the longest batch, padded
     D, F, V, K, L = dcfg.hidden_size, dcfg.intermediate_size, dcfg.vocab_size, dcfg.block_size, dcfg.num_hidden_layers
     q, kv = dcfg.num_attention_heads * dcfg.head_dim, dcfg.num_key_value_heads * dcfg.head_dim
     nK, fin = len(dcfg.target_layer_ids), final_states(cfg, dcfg)

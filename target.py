@@ -288,13 +288,32 @@ def frozen_tables(path, dtype, device):
     return embed.to(device, dtype), head.to(device, dtype)
 
 
+def default_dtype(device):
+    """-> (dtype, why): what a model on `device` runs in unless told. CUDA: bf16. A CPU: bf16
+    only where its matmuls are native (AVX512_BF16 or AMX, under PyTorch's AVX512 kernels),
+    else fp32: without them PyTorch emulates bf16 matmuls, ~100x slower than fp32 at the LM
+    head's shape, where native ones run ~2x faster (docs/LOG.md, CPU dtype). Decided from the
+    CPU's features, not a timing: every rank of a job decides alike."""
+    if str(device).startswith("cuda"):
+        return torch.bfloat16, "CUDA"
+    cap = torch.backends.cpu.get_cpu_capability()  # the kernels in use: ATEN_CPU_CAPABILITY
+    native = {"AVX512_BF16": torch.cpu._is_avx512_bf16_supported(),
+              "AMX": torch.cpu._is_amx_tile_supported()}
+    has = [name for name, yes in native.items() if yes and cap == "AVX512"]
+    if has:
+        return torch.bfloat16, f"CPU capability {cap} with {' and '.join(has)}: native bf16 matmuls"
+    return torch.float32, (f"CPU capability {cap}: no native bf16 matmuls "
+                           f"(emulated, many times slower than fp32)")
+
+
 def load_for_generation(path, device="cpu", dtype=None):
     """The whole HF model for generation (eval.py, data.py's regeneration) -> (model, tokenizer),
-    from a folder or a .gguf (converted first); a from_pretrained dtype keeps inv_freq fp32."""
+    from a folder or a .gguf (converted first); a from_pretrained dtype keeps inv_freq fp32.
+    dtype None: default_dtype(device)."""
     from transformers import AutoModelForCausalLM
     if (path := Path(path)).suffix == ".gguf":
         path = convert_gguf(path)
-    dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
+    dtype = dtype or default_dtype(device)[0]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
     return model.to(device).eval(), load_tokenizer(path)
 

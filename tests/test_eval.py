@@ -39,9 +39,10 @@ def tiny_target(arch="llama", seed=0):
 
 def tiny_drafter(target, block_size=16, seed=1, markov_rank=0, confidence_head=False):
     torch.manual_seed(seed)
-    cfg = drafter_config_from_target(target.config, None, num_layers=2, mask_token=MASK, block_size=block_size,
-                                     target_layer_ids=[1, 2],  # 4 layers: ids set here
-                                     markov_rank=markov_rank, confidence_head=confidence_head)
+    cfg = drafter_config_from_target(target.config, None, num_hidden_layers=2, mask_token=MASK,
+                                     block_size=block_size, markov_rank=markov_rank,
+                                     confidence_head=confidence_head,
+                                     target_layer_ids=[1, 2])  # 4 layers: ids set here
     return DFlashDrafter(cfg).eval()
 
 
@@ -71,16 +72,18 @@ def test_lossless_random_drafter(arch):
     target = tiny_target(arch)
     drafter = tiny_drafter(target)
     ps = prompts()
-    greedy = [ev.plain_decode(target, p, MAX_NEW, {EOS}) for p in ps]
+    greedy = [ev.plain_decode(target, p, ev.Decoding(MAX_NEW, {EOS})) for p in ps]
     ref = target.generate(torch.tensor([ps[2]]), do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=EOS,
                           pad_token_id=0)[0, len(ps[2]):].tolist()
     assert greedy[2] == ref[:len(greedy[2])]
     assert len(set(greedy[2])) > 3  # a real, varied continuation, not one repeated token
     for K in (1, 4, 16):
-        res = ev.evaluate(target, None, drafter, ps, MAX_NEW, block_size=K, eos_ids=[EOS], warmup=False)
+        res = ev.evaluate(target, None, drafter, ps,
+                          ev.EvalOptions(MAX_NEW, block_size=K, eos_ids=[EOS], warmup=False))
         assert res["lossless"] is True and res["divergences"] == []
         for p, g in zip(ps, greedy):
-            out, lengths, committed, _ = ev.spec_decode(target, drafter, p, MAX_NEW, K, {EOS})
+            out, lengths, committed, _ = ev.spec_decode(target, drafter, p, K,
+                                                        ev.Decoding(MAX_NEW, {EOS}))
             assert out == g
             assert sum(committed) == len(out) - 1  # every token after the prefill's first comes from a cycle
             assert max(lengths) <= K and all(0 <= c <= n for c, n in zip(committed, lengths))
@@ -103,8 +106,8 @@ def test_markov_head_drafts_left_to_right_and_stays_lossless(llama):
         hidden = features(out.hidden_states, drafter.cfg.target_layer_ids)
         block = torch.full((1, 8), MASK)
         block[0, 0] = p[-1]
-        toks, _, conf = ev.draft(drafter, target, block, hidden[:, :-1], None, len(p) - 1, 0.0,
-                                 None)
+        toks, _, conf = ev.draft(drafter, target, block, hidden[:, :-1], None, len(p) - 1,
+                                 ev.Decoding(0))
         assert conf is None  # no confidence head
         h, _ = drafter.forward_cached(torch.nn.functional.embedding(block, target.get_input_embeddings().weight),
                                       hidden[:, :-1], None, len(p) - 1)
@@ -114,7 +117,8 @@ def test_markov_head_drafts_left_to_right_and_stays_lossless(llama):
             prev = want[-1]
         assert toks[0].tolist() == want
         assert want != logits.argmax(-1).tolist()  # the head changed the drafts
-    res = ev.evaluate(target, None, drafter, prompts(), MAX_NEW, eos_ids=[EOS], warmup=False)
+    res = ev.evaluate(target, None, drafter, prompts(),
+                      ev.EvalOptions(MAX_NEW, eos_ids=[EOS], warmup=False))
     assert res["lossless"] is True
 
 
@@ -145,7 +149,8 @@ def test_confidence_head_stays_lossless_and_is_reported(llama):
     drafter = tiny_drafter(target, block_size=8, markov_rank=4, confidence_head=True)
     with torch.no_grad():
         drafter.confidence_head.proj.weight.normal_(0, 1.0)
-    res = ev.evaluate(target, None, drafter, prompts(), MAX_NEW, eos_ids=[EOS], warmup=False)
+    res = ev.evaluate(target, None, drafter, prompts(),
+                      ev.EvalOptions(MAX_NEW, eos_ids=[EOS], warmup=False))
     assert res["lossless"] is True
     cal = res["confidence"]
     assert cal["realized"] == res["pos_accept"] and len(cal["predicted"]) == len(cal["brier"]) == 7
@@ -157,15 +162,16 @@ def test_confidence_head_stays_lossless_and_is_reported(llama):
         hidden = ev.features(out.hidden_states, drafter.cfg.target_layer_ids)
         block = torch.full((1, 8), MASK)
         block[0, 0] = p[-1]
-        toks, _, conf = ev.draft(drafter, target, block, hidden[:, :-1], None, len(p) - 1, 0.0,
-                                 None)
+        toks, _, conf = ev.draft(drafter, target, block, hidden[:, :-1], None, len(p) - 1,
+                                 ev.Decoding(0))
         x = torch.nn.functional.embedding(block, target.get_input_embeddings().weight)
         h, _ = drafter.forward_cached(x, hidden[:, :-1], None, len(p) - 1)
         prev = torch.tensor([p[-1]] + toks[0, :-1].tolist())
         x = torch.cat([h[0, 1:], drafter.markov_head.markov_w1(prev)], -1)
         torch.testing.assert_close(conf, torch.sigmoid(drafter.confidence_head.proj(x)[:, 0]))
     no_head = tiny_drafter(target, 8, markov_rank=4)
-    res = ev.evaluate(target, None, no_head, prompts(1), 8, eos_ids=[EOS], warmup=False)
+    res = ev.evaluate(target, None, no_head, prompts(1),
+                      ev.EvalOptions(8, eos_ids=[EOS], warmup=False))
     assert res["confidence"] is None
 
 
@@ -173,12 +179,12 @@ def test_eos_inside_block(llama):
     """An EOS committed mid-block ends the output right after it, exactly where greedy decoding stops."""
     target, drafter = llama
     p = prompts()[1]
-    free = ev.plain_decode(target, p, MAX_NEW, set())
+    free = ev.plain_decode(target, p, ev.Decoding(MAX_NEW, set()))
     stop = free[11]
     j = free.index(stop)
-    assert ev.plain_decode(target, p, MAX_NEW, {stop}) == free[:j + 1]
+    assert ev.plain_decode(target, p, ev.Decoding(MAX_NEW, {stop})) == free[:j + 1]
     for K in (4, 16):
-        out, *_ = ev.spec_decode(target, drafter, p, MAX_NEW, K, {stop})
+        out, *_ = ev.spec_decode(target, drafter, p, K, ev.Decoding(MAX_NEW, {stop}))
         assert out == free[:j + 1]
 
 
@@ -199,7 +205,7 @@ def test_drafts_match_training_forward(monkeypatch, llama):
     monkeypatch.setattr(drafter, "forward_cached", spy)
     # every other cycle the drafts are replaced by the target's own continuation, so the context grows by K
     # positions or by 1: both ways of extending the drafter cache are exercised
-    full_text, real_draft = p + ev.plain_decode(target, p, MAX_NEW, set()), ev.draft
+    full_text, real_draft = p + ev.plain_decode(target, p, ev.Decoding(MAX_NEW, set())), ev.draft
 
     def draft(drafter_, target_, block, new_hidden, cache, start, *a):
         toks, cache, conf = real_draft(drafter_, target_, block, new_hidden, cache, start, *a)
@@ -208,7 +214,7 @@ def test_drafts_match_training_forward(monkeypatch, llama):
         return toks, cache, conf
 
     monkeypatch.setattr(ev, "draft", draft)
-    out, lengths, *_ = ev.spec_decode(target, drafter, p, MAX_NEW, K, set())
+    out, lengths, *_ = ev.spec_decode(target, drafter, p, K, ev.Decoding(MAX_NEW, set()))
     assert K in lengths and 1 in lengths
     seq = torch.tensor([p + out])
     with torch.no_grad():
@@ -232,9 +238,9 @@ def test_drafts_match_training_forward(monkeypatch, llama):
 def _scripted(monkeypatch, target, p, shift):
     """Replace the drafter by the target's own greedy continuation (+shift mod V: shift 0 = oracle, else never
     right), known 32 tokens past MAX_NEW (the authors' last block reaches past it). Returns the first MAX_NEW."""
-    full = p + ev.plain_decode(target, p, MAX_NEW + 32, set())
+    full = p + ev.plain_decode(target, p, ev.Decoding(MAX_NEW + 32, set()))
 
-    def draft(drafter, target_, block, new_hidden, cache, start, temperature, generator):
+    def draft(drafter, target_, block, new_hidden, cache, start, how):
         K = block.shape[1]
         toks = (full[start + 1:start + K] + [0] * K)[:K - 1]
         return (torch.tensor([toks]) + shift) % V, cache, None
@@ -248,12 +254,13 @@ def test_oracle_drafter_accepts_whole_blocks(monkeypatch, llama, K):
     target, drafter = llama
     p = prompts()[2]
     greedy = _scripted(monkeypatch, target, p, shift=0)
-    out, lengths, committed, _ = ev.spec_decode(target, drafter, p, MAX_NEW, K, set())
+    out, lengths, committed, _ = ev.spec_decode(target, drafter, p, K,
+                                                ev.Decoding(MAX_NEW, set()))
     assert out == greedy
     cycles = (MAX_NEW - 1) // K + 1  # the authors' loop: a cycle while at most MAX_NEW tokens are out, blocks whole
     assert lengths == [K] * cycles  # every block, the last too: K-1 drafts + the bonus, counted past MAX_NEW
     assert committed == [K] * (cycles - 1) + [(MAX_NEW - 1) % K]  # of the last, only what fits (39 = 9*4+3, 2*16+7)
-    res = ev.evaluate(target, None, drafter, [p], MAX_NEW, block_size=K, eos_ids=[])
+    res = ev.evaluate(target, None, drafter, [p], ev.EvalOptions(MAX_NEW, block_size=K, eos_ids=[]))
     assert res["pos_accept"] == [1.0] * (K - 1)
     assert res["accept_hist"][K - 1] == res["cycles"] == cycles
     assert res["tau"] == res["tau_pooled"] == K
@@ -268,10 +275,12 @@ def test_tau_counts_as_the_authors_loop_at_eos(monkeypatch, llama, j):
     p, K = prompts()[2], 4
     greedy = _scripted(monkeypatch, target, p, shift=0)
     j = greedy.index(greedy[j])  # its first occurrence
-    out, lengths, committed, _ = ev.spec_decode(target, drafter, p, MAX_NEW, K, {greedy[j]})
+    out, lengths, committed, _ = ev.spec_decode(target, drafter, p, K,
+                                                ev.Decoding(MAX_NEW, {greedy[j]}))
     cycles = max(1, (j - 1) // K + 1)  # the first cycle after which the output holds new token j
     assert out == greedy[:j + 1] and lengths == [K] * cycles and sum(committed) == j
-    res = ev.evaluate(target, None, drafter, [p], MAX_NEW, block_size=K, eos_ids=[greedy[j]])
+    res = ev.evaluate(target, None, drafter, [p],
+                      ev.EvalOptions(MAX_NEW, block_size=K, eos_ids=[greedy[j]]))
     assert res["tau"] == K and res["cycles"] == cycles
     assert res["tau_committed"] == (j / -(-j // K) if j else 0.0)  # j tokens over the cycles that gave any
 
@@ -280,11 +289,12 @@ def test_wrong_drafter_tau_one(monkeypatch, llama):
     target, drafter = llama
     p = prompts()[2]
     greedy = _scripted(monkeypatch, target, p, shift=1)
-    res = ev.evaluate(target, None, drafter, [p], MAX_NEW, block_size=16, eos_ids=[])
+    res = ev.evaluate(target, None, drafter, [p],
+                      ev.EvalOptions(MAX_NEW, block_size=16, eos_ids=[]))
     assert res["tau"] == res["tau_committed"] == 1.0 and res["pos_accept"] == [0.0] * 15
     assert res["accept_hist"][0] == res["cycles"] == MAX_NEW  # one a cycle, the last past MAX_NEW
     assert res["lossless"] is True  # a useless drafter slows decoding down but never changes the output
-    assert ev.spec_decode(target, drafter, p, MAX_NEW, 16, set())[0] == greedy
+    assert ev.spec_decode(target, drafter, p, 16, ev.Decoding(MAX_NEW, set()))[0] == greedy
 
 
 def test_decoding_never_uses_cudnn_attention(monkeypatch, llama):
@@ -300,10 +310,42 @@ def test_decoding_never_uses_cudnn_attention(monkeypatch, llama):
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
     p = prompts()[1]
-    ev.spec_decode(target, drafter, p, 12, 4, set())
-    ev.plain_decode(target, p, 12, set())
+    ev.spec_decode(target, drafter, p, 4, ev.Decoding(12, set()))
+    ev.plain_decode(target, p, ev.Decoding(12, set()))
     assert len(seen) > 20 and not any(seen)
     assert torch.backends.cuda.cudnn_sdp_enabled()  # restored on the way out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decoding_raises_no_deprecation_warning(monkeypatch, arch):
+    """Our decoding calls pass and read the KV cache under the name this transformers takes:
+    under the pins (5.24, where `past_key_values` warns and goes in 5.40) no deprecation, neither
+    as a Python warning (made an error here) nor as transformers' logged one (its warning_once made
+    to log every time), in spec_decode, plain_decode and the regeneration's batched generate."""
+    import logging
+    import warnings
+    import data
+    target = tiny_target(arch)
+    drafter = tiny_drafter(target, block_size=4, markov_rank=8)
+    logged = logging.Handler()
+    logged.records = []
+    logged.emit = logged.records.append
+    every_time = lambda self, *a, **kw: self.warning(*a, **kw)  # noqa: E731
+    monkeypatch.setattr(logging.Logger, "warning_once", every_time)
+    logging.getLogger("transformers").addHandler(logged)
+    p = prompts()[1]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            warnings.simplefilter("error", FutureWarning)
+            ev.spec_decode(target, drafter, p, 4, ev.Decoding(12))
+            ev.plain_decode(target, p, ev.Decoding(12))
+            chats = [[{"role": "user", "content": "w7 w8"}]] * 2
+            data._generate(target, tiny_tokenizer(), chats, 6, {})
+    finally:
+        logging.getLogger("transformers").removeHandler(logged)
+    messages = [r.getMessage() for r in logged.records]
+    assert not [m for m in messages if "deprecat" in m.lower()], messages
 
 
 def test_check_catches_a_broken_loop(monkeypatch, llama):
@@ -311,7 +353,8 @@ def test_check_catches_a_broken_loop(monkeypatch, llama):
     target, drafter = llama
     monkeypatch.setattr(ev, "crop", lambda cache, length: None)
     with pytest.raises(ev.LosslessError, match="prompt 0"):
-        ev.evaluate(target, None, drafter, prompts(1), MAX_NEW, block_size=4, eos_ids=[EOS], warmup=False)
+        ev.evaluate(target, None, drafter, prompts(1),
+                    ev.EvalOptions(MAX_NEW, block_size=4, eos_ids=[EOS], warmup=False))
 
 
 def test_divergence_raises_in_fp32_reported_in_bf16(monkeypatch, llama):
@@ -326,10 +369,12 @@ def test_divergence_raises_in_fp32_reported_in_bf16(monkeypatch, llama):
 
     monkeypatch.setattr(ev, "plain_decode", off_by_one)
     with pytest.raises(ev.LosslessError, match="prompt 0, new token 5"):
-        ev.evaluate(target, None, drafter, prompts(1), MAX_NEW, block_size=4, eos_ids=[], warmup=False)
+        ev.evaluate(target, None, drafter, prompts(1),
+                    ev.EvalOptions(MAX_NEW, block_size=4, eos_ids=[], warmup=False))
     t16 = copy.deepcopy(target).to(torch.bfloat16)
     d16 = copy.deepcopy(drafter).to(torch.bfloat16)
-    res = ev.evaluate(t16, None, d16, prompts(2), MAX_NEW, block_size=4, eos_ids=[], warmup=False)
+    res = ev.evaluate(t16, None, d16, prompts(2),
+                      ev.EvalOptions(MAX_NEW, block_size=4, eos_ids=[], warmup=False))
     assert res["lossless"] is False and res["config"]["dtype"] == "bfloat16"
     forced = [d for d in res["divergences"] if d["position"] == 5]
     assert {d["prompt"] for d in forced} == {0, 1}
@@ -340,11 +385,14 @@ def test_divergence_raises_in_fp32_reported_in_bf16(monkeypatch, llama):
 
 def test_sampling_is_seeded(llama):
     target, drafter = llama
-    run = lambda seed: ev.evaluate(target, None, drafter, prompts(2), 24, temperature=1.0, block_size=4,
-                                   eos_ids=[], seed=seed, warmup=False)
+    run = lambda seed: ev.evaluate(target, None, drafter, prompts(2),
+                                   ev.EvalOptions(24, temperature=1.0, block_size=4, eos_ids=[],
+                                                  seed=seed, warmup=False))
     a, b = run(0), run(0)
     assert a["per_prompt"] == b["per_prompt"] and a["lossless"] is None
-    outs = lambda seed: [ev.spec_decode(target, drafter, p, 24, 4, set(), 1.0, torch.Generator().manual_seed(seed))[0]
+    outs = lambda seed: [ev.spec_decode(target, drafter, p, 4,
+                                        ev.Decoding(24, set(), 1.0,
+                                                    torch.Generator().manual_seed(seed)))[0]
                          for p in prompts(2)]
     assert outs(0) == outs(0) != outs(1)
 
@@ -374,8 +422,9 @@ def test_cli_loads_checkpoint_writes_json_and_png(tmp_path, llama):
               {"role": "user", "content": "w42 w43"}]]
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in convs))
-    res = ev.main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--data", str(data),
-                   "--max-new-tokens", "24", "--block-size", "8", "--limit", "2", "--device", "cpu",
+    res = ev.main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+                   "--data", str(data), "--max_new_tokens", "24", "--block_size", "8",
+                   "--limit", "2", "--device", "cpu", "--dtype", "float32",
                    "--out", str(tmp_path / "out")])
     saved = json.loads((tmp_path / "out" / "eval.json").read_text())
     assert saved["tau"] == res["tau"] and saved["config"]["block_size"] == 8 and saved["config"]["prompts"] == 2
@@ -387,8 +436,8 @@ def test_cli_loads_checkpoint_writes_json_and_png(tmp_path, llama):
     assert (tmp_path / "out" / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the final assistant turn is not part of the prompt; the loaded drafter decodes exactly like the in-memory one
     assert saved["per_prompt"][0]["prompt_tokens"] == len(ev.render(tok, convs[0][:1]))
-    ref = ev.evaluate(target, tok, drafter, [c[:1] for c in convs[:1]] + [convs[1]], 24, block_size=8,
-                      warmup=False)
+    ref = ev.evaluate(target, tok, drafter, [c[:1] for c in convs[:1]] + [convs[1]],
+                      ev.EvalOptions(24, block_size=8, warmup=False))
     assert [r["committed"] for r in saved["per_prompt"]] == [r["committed"] for r in ref["per_prompt"]]
 
 
@@ -416,8 +465,9 @@ def test_split_prompts_merge_to_one_run(monkeypatch, llama, dtype, temperature):
     monkeypatch.setattr(ev, "plain_decode", off_by_one)
     ps = prompts()
     kw = dict(max_new_tokens=24, temperature=temperature, block_size=4, eos_ids=[EOS], seed=3, warmup=False)
-    one = ev.evaluate(target, None, drafter, ps, **kw)
-    parts = [ev.evaluate(target, None, drafter, ps[k::3], indices=range(k, 4, 3), **kw) for k in range(3)]
+    one = ev.evaluate(target, None, drafter, ps, ev.EvalOptions(**kw))
+    parts = [ev.evaluate(target, None, drafter, ps[k::3], ev.EvalOptions(**kw),
+                         indices=range(k, 4, 3)) for k in range(3)]
     merged = ev._merge(parts)
     for key in EXACT:
         assert merged[key] == one[key], key
@@ -426,7 +476,8 @@ def test_split_prompts_merge_to_one_run(monkeypatch, llama, dtype, temperature):
     if temperature == 0:
         assert [d["prompt"] for d in merged["divergences"]] == [0, 1, 2, 3] and merged["lossless"] is False
     else:  # the seeds matter: a worker numbering its prompts from 0 would decode prompt 3 as prompt 0 of its share
-        assert ev.evaluate(target, None, drafter, ps[3:], **kw)["per_prompt"] != one["per_prompt"][3:]
+        assert ev.evaluate(target, None, drafter, ps[3:],
+                           ev.EvalOptions(**kw))["per_prompt"] != one["per_prompt"][3:]
 
 
 @pytest.fixture(scope="module")
@@ -450,10 +501,11 @@ def test_cli_workers_match_one_process(saved, llama, tmp_path, capsys, temperatu
     exactly the results of one in-process evaluate(), greedy and sampled (seeded)."""
     target, drafter = llama
     par = ev.main(["--target", str(saved / "target"), "--drafter", str(saved / "drafter"), "--data",
-                   str(saved / "prompts.jsonl"), "--max-new-tokens", "24", "--block-size", "4", "--device", "cpu",
-                   "--temperature", temperature, "--seed", "3", "--workers", "2", "--out", str(tmp_path)])
-    one = ev.evaluate(target, tiny_tokenizer(), drafter, ev.read_prompts(saved / "prompts.jsonl"), 24,
-                      float(temperature), 4, seed=3)
+                   str(saved / "prompts.jsonl"), "--max_new_tokens", "24", "--block_size", "4",
+                   "--device", "cpu", "--dtype", "float32", "--temperature", temperature, "--seed", "3", "--workers", "2",
+                   "--out", str(tmp_path)])
+    one = ev.evaluate(target, tiny_tokenizer(), drafter, ev.read_prompts(saved / "prompts.jsonl"),
+                      ev.EvalOptions(24, float(temperature), 4, seed=3))
     for key in EXACT:
         assert par[key] == one[key], key
     assert par["lossless"] is (True if temperature == "0" else None) and len(par["per_prompt"]) == 5
@@ -475,8 +527,8 @@ def test_worker_lossless_error_fails_the_run(saved, tmp_path):
     tiny_tokenizer().save_pretrained(tmp_path / "target")
     ps = [prompts()[0], prompts()[3]]  # 3 + 24 positions stay under 32, 30 + 24 do not
     with pytest.raises(ev.LosslessError, match="not lossless: prompt 1, new token"):
-        ev.evaluate_parallel(tmp_path / "target", saved / "drafter", ps, 2, "cpu", max_new_tokens=24, block_size=4,
-                             eos_ids=[EOS])
+        ev.evaluate_parallel(ev.Models(tmp_path / "target", saved / "drafter", "cpu", torch.float32), ps, 2,
+                             ev.EvalOptions(max_new_tokens=24, block_size=4, eos_ids=[EOS]))
 
 
 def test_dead_worker_fails_fast(saved):
@@ -485,7 +537,8 @@ def test_dead_worker_fails_fast(saved):
     ps = prompts(3) + [[7, V + 5]]  # prompt 3 -> worker 1
     t0 = time.perf_counter()
     with pytest.raises(RuntimeError, match="IndexError"):
-        ev.evaluate_parallel(saved / "target", saved / "drafter", ps, 2, "cpu", max_new_tokens=8, eos_ids=[EOS])
+        ev.evaluate_parallel(ev.Models(saved / "target", saved / "drafter", "cpu", torch.float32), ps, 2,
+                             ev.EvalOptions(max_new_tokens=8, eos_ids=[EOS]))
     assert time.perf_counter() - t0 < 60
 
 
@@ -507,14 +560,16 @@ def test_cli_demo_untrained_vs_trained(saved, llama, tmp_path, monkeypatch, caps
     real = data.demo_settings
     monkeypatch.setattr(data, "demo_settings", lambda *a: dict(real(*a), eval=dict(limit=3, max_new_tokens=99,
                                                                                      workers=1)))
-    u, t = ev.main(["--demo", str(run), "--device", "cpu", "--max-new-tokens", "12"])
+    u, t = ev.main(["--demo", str(run), "--device", "cpu", "--dtype", "float32",
+                    "--max_new_tokens", "12"])
     for name, res, ckpt in (("untrained", u, "init"), ("trained", t, "ckpt-0000001")):
         assert json.loads((run / f"eval_{name}" / "eval.json").read_text())["per_prompt"] == res["per_prompt"]
         assert (run / f"eval_{name}" / "eval.png").exists() and res["config"]["drafter"] == str(run / ckpt)
         assert res["config"]["prompts"] == 3 and res["config"]["max_new_tokens"] == 12
         assert res["seen_in_training"] == 2 and res["config"]["train_data"] == str(train)
     assert u["lossless"] is None and u["speedup"] is None and t["lossless"] is True
-    one = ev.evaluate(target, tiny_tokenizer(), drafter, ev.read_prompts(saved / "prompts.jsonl", 3), 12)
+    one = ev.evaluate(target, tiny_tokenizer(), drafter,
+                      ev.read_prompts(saved / "prompts.jsonl", 3), ev.EvalOptions(12))
     assert [r["committed"] for r in t["per_prompt"]] == [r["committed"] for r in one["per_prompt"]]
     out = capsys.readouterr().out
     assert f"acceptance length tau (as the authors count it): untrained {u['tau']:.2f} -> trained {t['tau']:.2f}" \
@@ -542,13 +597,14 @@ def test_watch_a_training_run(tiny_target, convs, tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": c}]}) + "\n"
                             for c in ("Say 3 words please", "alpha beta")))
-    args = ["--data", str(data), "--max-new-tokens", "8", "--device", "cpu", "--poll", "0.1"]
+    args = ["--data", str(data), "--max_new_tokens", "8", "--device", "cpu", "--dtype", "float32",
+            "--poll", "0.1"]
     rows, pruned, torn = ev.main(["--watch", str(run)] + args)
     assert [r["step"] for r in rows] == [0, 2, 4] and not pruned and not torn and all(r["lossless"] for r in rows)
     assert (run / "eval" / "tau.png").exists() and (run / "eval" / "ckpt-0000004" / "eval.png").exists()
-    target, tok = load_for_generation(tiny_target, "cpu")
+    target, tok = load_for_generation(tiny_target, "cpu", torch.float32)
     drafter = load_drafter(run / "ckpt-0000004", "cpu", torch.float32)  # as --watch loads it: the target's dtype
-    direct = ev.evaluate(target, tok, drafter, ev.read_prompts(data), 8)
+    direct = ev.evaluate(target, tok, drafter, ev.read_prompts(data), ev.EvalOptions(8))
     saved = json.loads((run / "eval" / "ckpt-0000004" / "eval.json").read_text())
     assert [r["committed"] for r in saved["per_prompt"]] == [r["committed"] for r in direct["per_prompt"]]
     # the held-out check against the run's own data: "Say 3 words please" is a training prompt, "alpha beta" is not
@@ -624,8 +680,8 @@ def test_watch_skips_incomplete_and_torn_checkpoints(saved, llama, tmp_path, cap
     (run / "config.json").write_text(json.dumps({"train": {"target": str(saved / "target"),
                                                            "data": str(tmp_path / "gone.jsonl")}}))
     (run / "done.json").write_text("{}")
-    args = ["--watch", str(run), "--data", str(saved / "prompts.jsonl"), "--limit", "1", "--max-new-tokens", "6",
-            "--device", "cpu"]
+    args = ["--watch", str(run), "--data", str(saved / "prompts.jsonl"), "--limit", "1", "--max_new_tokens", "6",
+            "--device", "cpu", "--dtype", "float32"]
     rows, pruned, torn = ev.main(args)
     assert [r["ckpt"] for r in rows] == ["init", "ckpt-0000008"] and all(r["lossless"] for r in rows)
     assert pruned == [] and torn == ["ckpt-0000002", "ckpt-0000004", "ckpt-0000006"]
@@ -682,13 +738,14 @@ def test_engine_counts_of_a_real_decode(monkeypatch, llama):
     target, drafter = llama
     p = prompts()[2]
     greedy = _scripted(monkeypatch, target, p, shift=0)
-    res = ev.evaluate(target, None, drafter, [p], 41, block_size=4, eos_ids=[])
+    res = ev.evaluate(target, None, drafter, [p], ev.EvalOptions(41, block_size=4, eos_ids=[]))
     r = res["per_prompt"][0]
     assert r["lengths"] == [4] * 11 and r["committed"][-1] == 0
     assert res["tau"] == 4 and res["tau_vllm"] == 4 and res["vllm_pos_accept"] == [1.0] * 3
     assert res["tau_sglang"] == 41 / 10  # the prefill's token over 10 verify cycles: above K
     assert r["output_ids"][:40] == greedy  # the output, kept for a later turn
-    first = ev.evaluate(target, None, drafter, [p], 41, block_size=4, eos_ids=[greedy[0]])
+    first = ev.evaluate(target, None, drafter, [p],
+                        ev.EvalOptions(41, block_size=4, eos_ids=[greedy[0]]))
     assert first["tau"] == 4 and first["tau_sglang"] is None and first["tau_vllm"] is None
     assert ("as engines print it: SGLang spec_accept_length 4.100, "
             "vLLM mean acceptance length 4.000") in ev.summary(res)
@@ -819,7 +876,8 @@ def test_cli_bench_one_json_and_plot(saved, llama, tmp_path, capsys):
     target, drafter = llama
     tok, spec = tiny_tokenizer(), _bench_files(tmp_path)
     args = ["--target", str(saved / "target"), "--drafter", str(saved / "drafter"), "--bench", spec,
-            "--max-new-tokens", "12", "--block-size", "4", "--device", "cpu", "--seed", "5"]
+            "--max_new_tokens", "12", "--block_size", "4", "--device", "cpu", "--dtype", "float32",
+            "--seed", "5"]
     res = ev.main(args + ["--out", str(tmp_path / "out")])
     on_disk = json.loads((tmp_path / "out" / "eval.json").read_text())
     assert on_disk["macro"] == res["macro"]
@@ -831,7 +889,7 @@ def test_cli_bench_one_json_and_plot(saved, llama, tmp_path, capsys):
     assert all(r["lossless"] is True for r in sets.values())
     kw = dict(max_new_tokens=12, block_size=4, warmup=False, seed=5)
     decoded = lambda msgs, **o: ev.evaluate(target, tok, drafter, [ev.render(tok, m) for m in msgs],
-                                            **kw | o)["per_prompt"]
+                                            ev.EvalOptions(**kw | o))["per_prompt"]
     user = lambda text: [dict(role="user", content=text)]
     gsm = decoded([user(q + ev.BOXED) for q in ("w9 w33 w71", "w40 w41 w42 w43", "w100")])
     assert [r["committed"] for r in sets["gsm8k"]["per_prompt"]] == [r["committed"] for r in gsm]
@@ -857,8 +915,8 @@ def test_turns_merge_into_one_set(llama):
     order, the parallel figures (wall time, aggregate speed over the decoding phases) added up."""
     target, drafter = llama
     kw = dict(max_new_tokens=12, block_size=4, eos_ids=[EOS], warmup=False)
-    turns = [ev.evaluate(target, None, drafter, prompts(3), **kw),
-             ev.evaluate(target, None, drafter, prompts(4)[2:], **kw)]
+    turns = [ev.evaluate(target, None, drafter, prompts(3), ev.EvalOptions(**kw)),
+             ev.evaluate(target, None, drafter, prompts(4)[2:], ev.EvalOptions(**kw))]
     for r, (wall, agg) in zip(turns, ((2.0, 10.0), (3.0, 5.0))):
         r.update(wall_s=wall, aggregate_spec_tok_s=agg, divergences=[dict(prompt=1)])
     order = [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]
@@ -887,8 +945,8 @@ def test_cli_demo_with_bench(saved, llama, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
     (tmp_path / "chitchat_eval.jsonl").symlink_to(saved / "prompts.jsonl")  # as training's prompts
     spec = "chitchat," + _bench_files(tmp_path).split(",")[0]
-    u, t = ev.main(["--demo", str(run), "--bench", spec, "--device", "cpu", "--max-new-tokens", "8",
-                    "--limit", "2", "--workers", "1"])
+    u, t = ev.main(["--demo", str(run), "--bench", spec, "--device", "cpu", "--dtype", "float32",
+                    "--max_new_tokens", "8", "--limit", "2", "--workers", "1"])
     for name, res in (("untrained", u), ("trained", t)):
         assert json.loads((run / f"eval_{name}" / "eval.json").read_text())["macro"] == res["macro"]
         assert (run / f"eval_{name}" / "eval.png").exists()

@@ -524,8 +524,8 @@ def test_config_from_target():
                     num_key_value_heads=2, vocab_size=300, rope_theta=5e5,
                     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-    c = drafter_config_from_target(l, _tokenizer(250), num_layers=3, layer_types=["sliding_attention"] * 3,
-                                   sliding_window=64)
+    c = drafter_config_from_target(l, _tokenizer(250), num_hidden_layers=3,
+                                   layer_types=["sliding_attention"] * 3, sliding_window=64)
     assert c.rope_scaling["rope_type"] == "llama3" and c.target_layer_ids == [1, 7, 13] and c.head_dim == 16
 
 
@@ -752,3 +752,47 @@ def test_confidence_head_checkpoint_as_the_engines_read_it(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(c))
     with pytest.raises(ValueError, match="confidence_head_with_markov"):
         load_drafter(tmp_path)
+# What SpecForge's DSparkDraftModel reads (sgl-project/SpecForge
+# specforge/modeling/draft/dspark.py and its base dflash.py, commit a6b6b02, read 2026-12-03):
+# the head from dflash_config only (markov_rank > 0; markov_head_type "vanilla": markov_w1 =
+# Embedding(V, r), markov_w2 = Linear(r, V, bias=False); enable_confidence_head false, else it
+# builds a confidence head this checkpoint has no weights for; projector_type "dspark", else it
+# refuses; attention_mode "gqa" needs fewer KV than query heads, "mha" equal ones),
+# target_layer_ids and mask_token_id from dflash_config, block_size top level. Its export
+# normalizer (scripts/gates/normalize_dflash_export.py) copies the head fields to the top level
+# for SGLang and refuses a top-level value that differs from the nested one.
+SPECFORGE_DSPARK = ["dflash_config.markov_rank", "dflash_config.markov_head_type",
+                    "dflash_config.enable_confidence_head", "dflash_config.projector_type",
+                    "dflash_config.attention_mode", "dflash_config.target_layer_ids",
+                    "dflash_config.mask_token_id", "block_size", "model_type"]
+
+
+@pytest.mark.parametrize("kv_heads,mode", [(2, "gqa"), (4, "mha")])
+def test_markov_checkpoint_is_a_dspark_drafter_as_specforge_reads_it(tmp_path, kv_heads, mode):
+    """The nested DSpark fields SpecForge needs, equal to the top-level ones vLLM and SGLang read;
+    the config written today, and one with the head fields nested only (as SpecForge writes
+    them), load back as the same drafter."""
+    cfg = dataclasses.replace(tiny_cfg(), markov_rank=8, num_key_value_heads=kv_heads)
+    drafter = DFlashDrafter(cfg)
+    save_drafter(drafter, tmp_path, dtype=None)
+    c = json.loads((tmp_path / "config.json").read_text())
+    dc = c["dflash_config"]
+    for name in SPECFORGE_DSPARK:
+        value = c
+        for part in name.split("."):
+            assert part in value, f"SpecForge reads {name}"
+            value = value[part]
+    head = ("markov_rank", "markov_head_type", "enable_confidence_head")
+    assert [dc[k] for k in head] == [8, "vanilla", False]
+    assert dc["projector_type"] == "dspark" and dc["attention_mode"] == mode
+    assert c["model_type"] == "qwen3"
+    assert [c[k] for k in head] == [dc[k] for k in head]  # what the normalizer compares
+    # vLLM's and SGLang's name; SpecForge's is DSparkDraftModel (README: Serve a trained drafter)
+    assert c["architectures"] == ["Qwen3DSparkModel"]
+    same = lambda d: d.cfg == cfg and all(torch.equal(a, b) for a, b in zip(  # noqa: E731
+        d.state_dict().values(), drafter.state_dict().values()))
+    assert same(load_drafter(tmp_path))
+    for key in (*head, "sample_from_anchor"):
+        del c[key]
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    assert same(load_drafter(tmp_path))

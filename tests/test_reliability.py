@@ -166,20 +166,21 @@ def test_checkpoint_write_failure_keeps_earlier_ones(tmp_path, monkeypatch):
     drafter = DFlashDrafter(dcfg)
     optim = train.Optimizer(cfg, drafter, d)
     for step in (1, 2):
-        checkpoint.save_checkpoint(tmp_path, step, drafter, optim, cfg, step)
+        checkpoint.save_checkpoint(tmp_path, step, drafter, optim, cfg)
     before = {c: (tmp_path / c / "model.safetensors").read_bytes() for c in checkpoint.list_ckpts(tmp_path)}
 
     def full_disk(*a, **k):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(torch, "save", full_disk)
     with pytest.raises(OSError, match="No space left"):
-        checkpoint.save_checkpoint(tmp_path, 3, drafter, optim, cfg, 3)
+        checkpoint.save_checkpoint(tmp_path, 3, drafter, optim, cfg)
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["ckpt-0000001", "ckpt-0000002"]  # no torn ckpt-3, no .tmp
     assert {c: (tmp_path / c / "model.safetensors").read_bytes() for c in checkpoint.list_ckpts(tmp_path)} == before
     with torch.no_grad():
         next(drafter.parameters()).add_(1.0)
-    checkpoint.save_checkpoint(tmp_path, 2, drafter, optim, cfg, 2)  # the same step again: replaced, not lost
+    # the same step again: replaced, not lost
+    checkpoint.save_checkpoint(tmp_path, 2, drafter, optim, cfg)
     assert sorted(os.listdir(tmp_path)) == ["ckpt-0000001", "ckpt-0000002"]
     assert (tmp_path / "ckpt-0000002" / "model.safetensors").read_bytes() != before["ckpt-0000002"]
 
@@ -318,6 +319,11 @@ INVALID = [
     ("anchors absurd", dict(num_anchors=10 ** 9), "num_anchors"),
     ("pad absurd", dict(pad_multiple=2 ** 40), "pad_multiple"),
     ("pad zero", dict(pad_multiple=0), "pad_multiple"),
+    ("pad past the length", dict(pad_multiple=65), "pad_multiple"),  # max_length 64
+    ("markov rank absurd", dict(markov_rank=4097), "markov_rank"),
+    ("plan not a shape", dict(plan="abc"), "plan"),
+    ("plan zero nodes", dict(plan="0x8"), "plan"),
+    ("plan GiB nan", dict(plan="1x8:nan"), "plan"),
     ("length absurd", dict(max_length=2 ** 40, num_anchors=8), "max_length"),
     ("layers absurd", dict(drafter_layers=10 ** 6), "drafter_layers"),
     ("layers zero", dict(drafter_layers=0, sliding_layers=0), "drafter_layers"),
@@ -354,7 +360,8 @@ INVALID = [
 def valid(tiny_target, convs, tmp_path):
     return dict(target=str(tiny_target), data=str(convs), out_dir=str(tmp_path / "out"), run_name="r", device="cpu",
                 mask_token="<empty_output>", drafter_layers=2, target_features=3, sliding_layers=1,
-                sliding_window=16, block_size=4, num_anchors=8, max_length=64, target_ranks=2, drafter_ranks=1)
+                sliding_window=16, block_size=4, num_anchors=8, max_length=64, pad_multiple=16,
+                target_ranks=2, drafter_ranks=1)
 
 
 @pytest.fixture(scope="module")
@@ -375,6 +382,18 @@ def test_invalid_config_names_the_field(valid, target_meta, case, override, fiel
         train.validate(train.Config(**{**valid, **override}), 3, *target_meta)
     lines = str(e.value).splitlines()[1:]
     assert len(lines) == 1 and field in lines[0], lines
+
+
+def test_markov_rank_past_the_vocabulary_is_refused(valid, target_meta):
+    """A V x r, r x V head is low-rank only below r = V: a rank past the target's vocabulary is
+    refused."""
+    tc, tok = target_meta
+    small = copy.deepcopy(tc)
+    small.vocab_size = 1024  # the mask token <empty_output> (id 16) stays inside it
+    train.validate(train.Config(**valid, markov_rank=1024), 3, small, tok)
+    with pytest.raises(ValueError, match=r"markov_rank=1025 must be in \[0, min\(4096, the target "
+                                         r"vocabulary 1024"):
+        train.validate(train.Config(**valid, markov_rank=1025), 3, small, tok)
 
 
 def test_fp8_head_needs_fp8_sized_head(valid, target_meta):
@@ -598,8 +617,8 @@ def test_memory_estimate_counts_the_final_states(valid, target_meta):
     """--kd_loss (or a confidence head): the target shard holds all 6 layers, not 4 (ids up to 3);
     the drafter holds the final states (one more D-wide slice per context position, one gathered
     per block row) and, per LM-head chunk, the target's logits, softmax and the KD terms
-    (b + 12 bytes per logit, b = 2 in bf16); the states in flight grow by a quarter (3 ids -> 4 slices). Exact
-    differences, written out here."""
+    (b + 12 bytes per logit, b = 2 in bf16); the states in flight grow by a quarter (3 ids -> 4
+    slices). Exact differences, written out here."""
     import ranks
     tc, tok = target_meta
     plain, kd = train.Config(**valid), train.Config(**valid, kd_loss="kl", loss_impl="plain")
@@ -634,4 +653,10 @@ def test_plan_prints_each_roles_memory_and_the_largest_num_anchors_per_length(va
         return ranks.memory_check(train.Config(**{**valid, "num_anchors": n}), dcfg, tc, 3, gib)[1]
     assert check(fit) == [] and check(fit + 1)
     with pytest.raises(SystemExit, match="--plan needs the target's config.json"):
-        train.main(train.Config(**{**valid, "plan": "1x8", "target": str(valid["out_dir"])}))
+        train.main(train.Config(**{**valid, "plan": "1x3", "target": str(valid["out_dir"])}))
+    # a plan that is not a shape, or not this config's ranks per node: a config error, before the
+    # target is read
+    for bad, why in (("abc", r"must be NODESxGPUS\[:GiB\]"),
+                     ("1x8", r"target_ranks \(2\) \+ drafter_ranks \(1\)")):
+        with pytest.raises(SystemExit, match=rf"invalid config:\n  plan='{bad}'.*{why}"):
+            train.main(train.Config(**{**valid, "plan": bad, "target": "/nonexistent/model"}))

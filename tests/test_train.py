@@ -33,6 +33,33 @@ def test_assign_roles_and_config():
     assert train.parse_config(["--preset=demo"]).mask_token == "<empty_output>"
 
 
+@pytest.mark.parametrize("capability,bf16,amx,dtype", [
+    ("AVX2", False, False, torch.float32),  # AVX2-only EPYC: emulated bf16, ~100x slower than fp32
+    ("AVX2", True, False, torch.float32),  # ATEN_CPU_CAPABILITY=avx2 on a bf16 CPU: emulated too
+    ("AVX512", False, False, torch.float32),  # AVX512 without its bf16 extension
+    ("AVX512", True, False, torch.bfloat16),
+    ("AVX512", False, True, torch.bfloat16),
+    ("DEFAULT", False, False, torch.float32)])
+def test_cpu_dtype_follows_the_cpu(monkeypatch, tiny_target, capability, bf16, amx, dtype):
+    """dtype=auto on a CPU: bf16 only with native bf16 matmuls, said in the start-up line;
+    --dtype overrides; CUDA is bf16. Training (train.main), eval and regeneration
+    (target.load_for_generation) choose alike."""
+    import target
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    name = str(dtype).removeprefix("torch.")
+    cfg, why = train.resolve_dtype(train.parse_config(["--preset=demo", "--device=cpu"]))
+    assert cfg.dtype == name and why.startswith(f"dtype: {name} (CPU capability {capability}")
+    assert ("native bf16" in why and "no native" not in why) == (dtype == torch.bfloat16)
+    assert target.default_dtype("cpu")[0] == dtype
+    assert next(target.load_for_generation(tiny_target, "cpu")[0].parameters()).dtype == dtype
+    for given in ("float32", "bfloat16"):
+        assert train.resolve_dtype(train.Config(device="cpu", dtype=given)) == (
+            train.Config(device="cpu", dtype=given), f"dtype: {given} (--dtype)")
+    assert target.default_dtype("cuda:0") == (torch.bfloat16, "CUDA")
+
+
 def test_validate_reports_every_error_before_gpu_work(tiny_target, tmp_path):
     from transformers import AutoConfig, AutoTokenizer
     tc, tok = AutoConfig.from_pretrained(tiny_target), AutoTokenizer.from_pretrained(tiny_target)
