@@ -28,7 +28,7 @@ from attention import (build_masks, compile_count, configure_compile, dflash_blo
                        flex_compiled)
 from model import (DFlashDrafter, DrafterConfig, Rows, build_target_layer_ids, plain_head_loss,
                    sample_anchors)
-from ranks import Colocated, GiB, memory_need, setup_dist, torchrun_env
+from ranks import Colocated, GiB, final_states, memory_need, setup_dist, torchrun_env
 from target import Capture, Float8Frozen, fla_short_conv, load_for_generation, load_tokenizer
 
 # Qwen3.6-27B text stack (3 Gated-DeltaNet + 1 gated full-attention layer, 16 times), shapes as we
@@ -107,13 +107,14 @@ class RandomBatches:
         return self.made[S]
 
 
-def random_states(dcfg, dtype):
-    """In place of a target's capture: random target states [B, S, nK*D], one tensor per shape."""
+def random_states(dcfg, dtype, final=False):
+    """In place of a target's capture: random target states [B, S, nK*D] (final: + D, the target's
+    final states, as train.py sends them for ranks.final_states), one tensor per shape."""
     made = {}
 
     def capture(ids_BS):
         if ids_BS.shape not in made:
-            C = len(dcfg.target_layer_ids) * dcfg.hidden_size
+            C = (len(dcfg.target_layer_ids) + final) * dcfg.hidden_size
             made[ids_BS.shape] = torch.randn(*ids_BS.shape, C, device="cuda", dtype=dtype)
         return made[ids_BS.shape]
     return capture
@@ -217,7 +218,8 @@ def bench_drafter(args):
     dcfg = drafter_config(cfg, args.preset)
     case = " ".join([f"drafter {args.preset}", *args.fields])
     row = table(case)
-    side = drafting(cfg, dcfg, random_states(dcfg, getattr(torch, cfg.dtype)))
+    dtype = getattr(torch, cfg.dtype)
+    side = drafting(cfg, dcfg, random_states(dcfg, dtype, final_states(cfg, dcfg)))
     V, D, K = dcfg.vocab_size, dcfg.hidden_size, dcfg.block_size
     def steps(*lengths):  # -> ms of one micro-batch at each length, in a row
         return cuda_time(lambda: micro_steps(cfg, side, lengths), 1, warmup=0)
@@ -289,8 +291,11 @@ def breakdown(row, cfg, side, S, iters, ms_step):
     opts = train.loss_options(cfg, out.device)
     # train.py's LM head + CE: fused.head_loss, unless loss_impl=plain
     head_loss = opts.head_loss or plain_head_loss
+    # the target's final states at the rows, when the loss reads them (kd_loss, confidence head)
+    teacher = torch.randn(Q, D, device="cuda", dtype=torch.bfloat16)
     rows = Rows(out_MD=out, labels_M=labels, valid_M=torch.ones_like(labels, dtype=torch.bool),
                 decay_M=torch.rand(Q, device="cuda"), prev_M=labels, K=K,
+                teacher_MD=teacher if final_states(cfg, dcfg) else None,
                 chunk_rows=(cfg.loss_chunk or cfg.num_anchors) * K)
     head = side.tables.head_VD
     ms_head = cuda_time(lambda: head_loss(rows, head, side.drafter, opts)[0].backward(), iters)
@@ -652,7 +657,8 @@ def bench_plan(args):
             cfg = parsed([*PRESETS["27b"][1], *args.fields, f"--max_length={S}"])
             dcfg = drafter_config(cfg, "27b")
             est = memory_need(cfg, dcfg, tc27, 8)["drafter"]
-            got = measure(cfg, dcfg, random_states(dcfg, getattr(torch, cfg.dtype)))
+            states = random_states(dcfg, getattr(torch, cfg.dtype), final_states(cfg, dcfg))
+            got = measure(cfg, dcfg, states)
             row(f"27B drafter rank, S={S}, {cfg.num_anchors} anchors",
                 f"{est:.2f} vs {got:.2f} GiB", f"{est / got - 1:+.1%}")
     if args.preset != "smol":

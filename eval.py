@@ -74,16 +74,20 @@ def crop(cache, length):
 
 
 def draft(drafter, target, block_1K, new_hidden_1TC, cache, start, how):
-    """One drafter call -> (drafts for block offsets 1..K-1 [1, K-1], cache of 0..start-1); tests replace it."""
+    """One drafter call -> (drafts for block offsets 1..K-1 [1, K-1], cache of 0..start-1, the
+    confidence head's probabilities for them [K-1], None without one); tests replace it."""
     x_1KD = F.embedding(block_1K, target.get_input_embeddings().weight)  # raw rows, exactly as dflash_loss embeds
     h_1KD, cache = drafter.forward_cached(x_1KD, new_hidden_1TC, cache, start)
     logits = target.get_output_embeddings()(h_1KD[:, 1:])  # offset 0 is the clean anchor: its output is unused
     if not drafter.cfg.markov_rank:
-        return pick(logits, how), cache
+        return pick(logits, how), cache, None
     toks = [block_1K[:, 0]]  # a Markov head: left to right, each drafted token the next one's previous
     for k in range(logits.shape[1]):
         toks.append(pick(logits[:, k] + drafter.markov_head(toks[-1]).to(logits.dtype), how))
-    return torch.stack(toks[1:], 1), cache
+    conf = None
+    if drafter.cfg.confidence_head:  # on [h ; markov_w1[previous drafted token]], as engines do
+        conf = torch.sigmoid(drafter.confidence_logits(h_1KD[0, 1:], torch.cat(toks[:-1])))
+    return torch.stack(toks[1:], 1), cache, conf
 
 
 def _clock(dev, times=None, key=None, t0=0.0):
@@ -102,10 +106,11 @@ def _clock(dev, times=None, key=None, t0=0.0):
 @sdpa_kernel(NO_CUDNN)
 def spec_decode(target, drafter, prompt_ids, block_size, how, times=None):
     """-> (new token ids, the first included, cut at the first EOS (kept) and at how.max_new; per
-    verify cycle: tokens accepted + 1, and tokens of it in that output). The authors' benchmark loop
-    (z-lab/dflash `dflash_generate`): full blocks to the end, a cycle while fewer than max_new + 1
-    tokens are out, the stop check after each cycle (a first token that is EOS still gets one),
-    every cycle counted whole. times: seconds added per phase (synced)."""
+    verify cycle: tokens accepted + 1, tokens of it in that output, and the confidence head's K-1
+    probabilities (None without a head)). The authors' benchmark loop (z-lab/dflash
+    `dflash_generate`): full blocks to the end, a cycle while fewer than max_new + 1 tokens are
+    out, the stop check after each cycle (a first token that is EOS still gets one), every cycle
+    counted whole. times: seconds added per phase (synced)."""
     dev, K, max_new, eos = target.device, block_size, how.max_new, how.eos
     kv = _cache_name(type(target))
     t = _clock(dev) if times is not None else 0.0
@@ -116,13 +121,15 @@ def spec_decode(target, drafter, prompt_ids, block_size, how, times=None):
     if K > 1:  # the drafter's first context: features of prompt positions 0..n-1
         new_hidden = features(out.hidden_states, drafter.cfg.target_layer_ids)
     t = _clock(dev, times, "prefill", t)
-    lengths = []  # per verify cycle: drafts accepted + the bonus
+    lengths, confs = [], []  # per verify cycle: drafts accepted + the bonus; the confidence head's
     while len(gen) <= max_new and not (lengths and eos.intersection(gen)):
         start = len(prompt_ids) + len(gen) - 1  # position of the anchor, gen[-1]; the target cache holds 0..start-1
         block = torch.full((1, K), drafter.cfg.mask_token_id if K > 1 else 0, dtype=torch.long, device=dev)
         block[0, 0] = gen[-1]
         if K > 1:
-            block[:, 1:], cache_d = draft(drafter, target, block, new_hidden, cache_d, start, how)
+            block[:, 1:], cache_d, conf = draft(drafter, target, block, new_hidden, cache_d, start,
+                                                how)
+            confs.append(None if conf is None else conf.tolist())
             t = _clock(dev, times, "draft", t)
         out = target(input_ids=block, position_ids=torch.arange(start, start + K, device=dev)[None],
                      **{kv: cache_t}, use_cache=True, output_hidden_states=K > 1)
@@ -140,7 +147,7 @@ def spec_decode(target, drafter, prompt_ids, block_size, how, times=None):
     keep = min(next((i + 1 for i, tok in enumerate(gen) if tok in eos), len(gen)), max_new)
     ends = [1 + sum(lengths[:c + 1]) for c in range(len(lengths))]  # tokens out after each cycle
     committed = [max(0, min(e, keep) - (e - n)) for e, n in zip(ends, lengths)]
-    return gen[:keep], lengths, committed
+    return gen[:keep], lengths, committed, confs
 
 
 @torch.inference_mode()
@@ -223,14 +230,15 @@ def evaluate(target, tokenizer, drafter, prompts, opts=EvalOptions(), indices=No
              per_prompt=[], divergences=[])
     for i, p in zip(range(len(prompts)) if indices is None else indices, prompts):
         t0 = _clock(dev)
-        out, lengths, committed = spec_decode(target, drafter, p, K, how(i), c["time_s"])
+        out, lengths, committed, confs = spec_decode(target, drafter, p, K, how(i), c["time_s"])
         c["spec_s"] += _clock(dev) - t0
         c["new_tokens"] += len(out)
         c["per_prompt"].append(dict(
             prompt_tokens=len(p), new_tokens=len(out), cycles=len(lengths),
             tau=sum(lengths) / max(len(lengths), 1), lengths=lengths, committed=committed,
             tau_committed=sum(committed) / max(sum(n > 0 for n in committed), 1),
-            output_ids=out))  # the history of a later turn (--bench mt-bench); runs compared
+            output_ids=out,  # the history of a later turn (--bench mt-bench); runs compared
+            **calibration_sums(confs, lengths)))
         if not opts.check_lossless:
             continue
         t0 = _clock(dev)
@@ -248,6 +256,33 @@ def evaluate(target, tokenizer, drafter, prompts, opts=EvalOptions(), indices=No
     return _merge([dict(c, lossless=(not c["divergences"]) if greedy_checked else None)])
 
 
+def calibration_sums(confs, lengths):
+    """A prompt's cycles -> per offset j = 1..K-1 the sums of the predicted prefix acceptance (the
+    confidence head's probabilities multiplied up to j, what the engines plan with) and of its
+    squared error against the realized one (1 if the cycle accepted offset j, so the whole prefix
+    up to it; DeepSpec's calibration); {} without a confidence head."""
+    if not confs or confs[0] is None:
+        return {}
+    pred, sq = [0.0] * len(confs[0]), [0.0] * len(confs[0])
+    for conf, n in zip(confs, lengths):
+        run = 1.0
+        for j, c in enumerate(conf):
+            run *= c
+            pred[j] += run
+            sq[j] += (run - (n > j + 1)) ** 2
+    return dict(conf_pred=pred, conf_sq_err=sq)
+
+
+def calibration(per_prompt, pos_accept, cycles):
+    """Predicted vs realized acceptance of each offset's prefix over all cycles, with the Brier
+    score; None without a confidence head."""
+    if not per_prompt or "conf_pred" not in per_prompt[0]:
+        return None
+    def mean(key):  # over all cycles, per offset
+        return [sum(x) / max(cycles, 1) for x in zip(*(r[key] for r in per_prompt))]
+    return dict(predicted=mean("conf_pred"), realized=pos_accept, brier=mean("conf_sq_err"))
+
+
 def _merge(parts):
     """Results (or evaluate()'s counts) of N workers, worker k having decoded prompts k, k+N, ... -> one results dict,
     in prompt order. evaluate() builds its own here too, so N workers' figures are exactly one process's."""
@@ -261,11 +296,13 @@ def _merge(parts):
              pos_seen_counts=[len(lengths)] * (K - 1))
     c.update({k: sum(r[k] for r in parts) for k in ("new_tokens", "spec_s", "plain_tokens", "plain_s")})
     c["time_s"] = {k: sum(r["time_s"][k] for r in parts) for k in TIME_KEYS}
+    pos_accept = [a / max(s, 1)  # offsets 1..K-1
+                  for a, s in zip(c["pos_accept_counts"], c["pos_seen_counts"])]
     spec_tps = c["new_tokens"] / c["spec_s"]
     plain_tps = c["plain_tokens"] / c["plain_s"] if c["plain_s"] else None  # no baseline: no time spent on it
     return dict(  # tau: the authors' "Average Acceptance length" (the papers' figure), then the other counts
         tau_figures(per_prompt), **engine_figures(per_prompt, K), cycles=sum(c["accept_hist"]),
-        pos_accept=[a / max(s, 1) for a, s in zip(c["pos_accept_counts"], c["pos_seen_counts"])],  # offsets 1..K-1
+        pos_accept=pos_accept, confidence=calibration(per_prompt, pos_accept, len(lengths)),
         spec_tok_s=spec_tps, plain_tok_s=plain_tps, speedup=spec_tps / plain_tps if plain_tps else None, **c,
         lossless=(not divergences) if parts[0]["lossless"] is not None else None, divergences=divergences,
         config=dict(parts[0]["config"], prompts=total, workers=n), per_prompt=per_prompt)
@@ -380,6 +417,11 @@ def summary(res):
         s += (f"\n  as engines print it: SGLang spec_accept_length {res['tau_sglang']:.3f}, "
               f"vLLM mean acceptance length {res['tau_vllm']:.3f} "
               f"(draft acceptance rate {res['vllm_draft_accept_rate']:.3f})")
+    if res.get("confidence"):  # the confidence head: predicted vs realized prefix acceptance
+        cal = res["confidence"]
+        pairs = enumerate(zip(cal["predicted"], cal["realized"]), 1)
+        s += "\n  confidence head, predicted/realized prefix acceptance by offset: " + ", ".join(
+            f"{j}: {p:.2f}/{r:.2f}" for j, (p, r) in pairs)
     s += "\n  per verify cycle: " + ", ".join(f"{k} {ms(t[k], res['cycles'])} ms" for k in ("draft", "verify", "other"))
     if res["plain_tokens"]:  # the first token of each prompt comes from the prefill
         s += f"; plain decoding: {ms(t['plain_step'], res['plain_tokens'] - len(res['per_prompt']))} ms per token"

@@ -158,6 +158,9 @@ def head_loss(rows, head, drafter, opts):
     if opts.extra is not None:
         raise ValueError("LossOptions.extra: the fused loss computes the CE only; use the plain "
                          "path (train.py --loss_impl=plain, or LossOptions(head_loss=None))")
+    if opts.kd != "none" or drafter.cfg.confidence_head:
+        raise ValueError("LossOptions.kd / confidence_head: the fused loss computes the CE only; "
+                         "use the plain path (train.py --loss_impl=plain)")
     m = drafter.markov_head if drafter.cfg.markov_rank else None
     dpace = (rows.K, opts.alpha) if opts.weighting == "dpace" else None
     task = HeadTask(head if isinstance(head, Float8Head) else Head(head), rows.labels_M,

@@ -189,6 +189,9 @@ class DrafterConfig:
     attention_bias: bool = False
     initializer_range: float = 0.02
     markov_rank: int = 0  # > 0: DSpark's low-rank Markov head (MarkovHead); 0: plain DFlash
+    # DSpark's acceptance predictor (ConfidenceHead) on [h ; markov_w1[previous token]]; needs a
+    # Markov head: both engines serve it only inside their DSpark drafter, fed that concatenation
+    confidence_head: bool = False
 
     def __post_init__(self):
         if self.layer_types is None:
@@ -203,17 +206,22 @@ class DrafterConfig:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.confidence_head and not self.markov_rank:
+            raise ValueError("confidence_head needs markov_rank > 0: vLLM and SGLang serve a "
+                             "confidence head only on a DSpark drafter, fed [h ; markov_w1[prev]]")
 
     def to_json_dict(self):
         def own(*names):  # these fields as they are
             return {n: getattr(self, n) for n in names}
         # a Markov head makes it a DSpark drafter as vLLM (`method: "dspark"`) and SGLang read
-        # one: the rank, a vanilla head (w2(w1[prev]), both [V, r]), no confidence head, our block
-        # layout (offset 0 holds the anchor, predicts nothing: sample_from_anchor). SpecForge's
-        # DSparkDraftModel reads the head from dflash_config instead, with projector_type dspark
-        # and attention_mode gqa (fewer KV heads) or mha (specforge/modeling/draft/dspark.py)
+        # one: the rank, a vanilla head (w2(w1[prev]), both [V, r]), the confidence head (always
+        # on [h ; Markov embedding], the only form SGLang serves), our block layout (offset 0
+        # holds the anchor, predicts nothing: sample_from_anchor). SpecForge's DSparkDraftModel
+        # reads the head from dflash_config instead, with projector_type dspark and attention_mode
+        # gqa (fewer KV heads) or mha (specforge/modeling/draft/dspark.py)
         dspark = {"markov_rank": self.markov_rank, "markov_head_type": "vanilla",
-                  "enable_confidence_head": False}
+                  "enable_confidence_head": self.confidence_head,
+                  "confidence_head_with_markov": self.confidence_head}
         gqa = self.num_key_value_heads < self.num_attention_heads
         nested = {**dspark, "projector_type": "dspark", "attention_mode": "gqa" if gqa else "mha"}
         head = {**dspark, "sample_from_anchor": False, "mask_token_id": self.mask_token_id,
@@ -257,7 +265,13 @@ class DrafterConfig:
         kw = dict(target_layer_ids=list(ids), mask_token_id=dc["mask_token_id"],
                   block_size=dc.get("block_size", d.get("block_size", 16)),
                   # SpecForge writes the head's fields nested only
-                  markov_rank=dc.get("markov_rank", d.get("markov_rank", 0)))
+                  markov_rank=dc.get("markov_rank", d.get("markov_rank", 0)),
+                  confidence_head=bool(dc.get("enable_confidence_head",
+                                              d.get("enable_confidence_head", False))))
+        with_markov = (dc.get("confidence_head_with_markov"), d.get("confidence_head_with_markov"))
+        if kw["confidence_head"] and False in with_markov:
+            raise ValueError(f"{where}: a confidence head on the hidden state alone (confidence_"
+                             f"head_with_markov false) is not a form this trainer builds")
         if not d.get("use_sliding_window", True):
             d["sliding_window"] = None
         for name in [n for n in cls.__dataclass_fields__ if n not in kw]:
@@ -332,6 +346,21 @@ class MarkovHead(nn.Module):
         return self.markov_w2(self.markov_w1(prev_ids))
 
 
+class ConfidenceHead(nn.Module):
+    """DSpark's acceptance predictor (deepseek-ai/DeepSpec `AcceptRatePredictor`): per drafted
+    position a logit whose sigmoid estimates the chance the target accepts that token given the
+    prefix was accepted; the engines plan how many drafted tokens to verify from its cumulative
+    product. Input [h ; markov_w1[previous token]], weights `confidence_head.proj.{weight,bias}`."""
+
+    def __init__(self, input_dim):
+        super().__init__()
+        self.proj = nn.Linear(input_dim, 1)
+
+    def forward(self, h_MD, markov_MR):
+        x = torch.cat([h_MD, markov_MR.to(h_MD.dtype)], -1)  # [M, D + r]
+        return self.proj(x).float().squeeze(-1)
+
+
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -342,6 +371,8 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.markov_rank:
             self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank)
+        if cfg.confidence_head:
+            self.confidence_head = ConfidenceHead(cfg.hidden_size + cfg.markov_rank)
         # fp32 buffer, not a weight (persistent=False keeps it out of the checkpoint); see _apply below
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
                              persistent=False)
@@ -364,6 +395,11 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             layer.self_attn.inv_freq = self.inv_freq
         return self
+
+    def confidence_logits(self, h_MD, prev_M):
+        """The confidence head's logits for drafted rows h (normed, as the LM head reads them)
+        whose previous token is prev."""
+        return self.confidence_head(h_MD, self.markov_head.markov_w1(prev_M))
 
     def forward(self, x_BQD, target_hidden_BSC, pos_blk_BQ, masks):
         """Training forward over all blocks -> normed hidden [B,Q,D]. x: embedded block tokens; target_hidden: the S
@@ -502,6 +538,9 @@ class LossBatch(NamedTuple):
     hidden_BSC: torch.Tensor  # the target's states at target_layer_ids, concatenated: C = ids * D
     anchors_BN: torch.Tensor  # sample_anchors
     keep_BN: torch.Tensor
+    # the target's FINAL hidden states (after its final norm) [B, S, D]: through the LM head, its
+    # next-token distribution (kd, the confidence head's label); None when neither is used
+    final_BSD: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -519,11 +558,21 @@ class LossOptions:
     # w * CE: a new logit-dependent loss without editing this file (rows: the chunk's Rows). It
     # runs again in the backward (checkpoint), so it must be deterministic.
     extra: Callable | None = None
+    # plain path only: the target's distribution p as a target beside the CE (needs
+    # LossBatch.final_BSD). kd: none | kl = KL(p || q) | l1 = sum_v |q_v - p_v| (= 2 TV, DSpark's
+    # L1); per row (1 - kd_weight) CE + kd_weight KD, under the row's weight (decay or D-PACE)
+    kd: str = "none"
+    kd_weight: float = 0.9  # with l1: DSpark's CE 0.1 + L1 0.9 (DeepSpec's recipes)
+    # the confidence head's BCE, added under the same row weights (DSpark: 1.0)
+    confidence_weight: float = 1.0
 
     def __post_init__(self):
         if self.weighting not in ("decay", "dpace") or self.backend not in ("sdpa", "flex"):
             raise ValueError(f"LossOptions: weighting={self.weighting!r} (decay | dpace), "
                              f"backend={self.backend!r} (sdpa | flex)")
+        if self.kd not in ("none", "kl", "l1") or not 0 <= self.kd_weight <= 1:
+            raise ValueError(f"LossOptions: kd={self.kd!r} (none | kl | l1), "
+                             f"kd_weight={self.kd_weight} (in [0, 1])")
 
 
 @dataclass(frozen=True)
@@ -535,6 +584,9 @@ class Rows:
     valid_M: torch.Tensor  # bool: supervised
     decay_M: torch.Tensor  # valid * exp(-(k-1)/gamma)
     prev_M: torch.Tensor  # the true token before the row's: the Markov head's input
+    # the target's final state at the row's label position - 1 (whose next-token distribution is
+    # the label's), [M, D]; None without LossBatch.final_BSD
+    teacher_MD: torch.Tensor | None
     K: int  # block size
     chunk_rows: int  # rows per LM-head chunk, whole blocks
 
@@ -547,7 +599,7 @@ class Rows:
 def draft_rows(drafter, embed_VD, batch, opts):
     """The drafter's forward over every block of the micro-batch, and each row's label and weight
     -> Rows. A block is [anchor token, mask, ..., mask] at absolute positions anchor + k."""
-    ids_BS, mask_BS, hidden_BSC, anchors_BN, keep_BN = batch
+    ids_BS, mask_BS, hidden_BSC, anchors_BN, keep_BN, final_BSD = batch
     cfg, (B, S), N, dev = drafter.cfg, ids_BS.shape, anchors_BN.shape[1], ids_BS.device
     K = cfg.block_size
     block_BNK = torch.full((B, N, K), cfg.mask_token_id, device=dev, dtype=ids_BS.dtype)
@@ -560,9 +612,14 @@ def draft_rows(drafter, embed_VD, batch, opts):
     out_BQD = drafter(x_BQD, hidden_BSC, pos_BQ, masks)
     labels, valid, decay = block_labels(ids_BS, mask_BS, anchors_BN, keep_BN, K, opts.gamma)
     prev = torch.cat([labels[:, :, :1], labels[:, :, :-1]], -1)  # offset 1's: the anchor token
+    teacher = None
+    if final_BSD is not None:  # the label at anchor+k is the target's prediction at anchor+k-1
+        at_BQ = (pos_BQ - 1).clamp(0, S - 1)  # offset 0 (unsupervised) reads the anchor-1's
+        teacher = final_BSD.gather(1, at_BQ[:, :, None].expand(-1, -1, final_BSD.shape[-1]))
+        teacher = teacher.reshape(B * N * K, -1)
     return Rows(out_MD=out_BQD.reshape(B * N * K, -1), labels_M=labels.view(-1),
-                valid_M=valid.view(-1), decay_M=decay.view(-1), prev_M=prev.view(-1), K=K,
-                chunk_rows=(opts.chunk_blocks or N) * K)
+                valid_M=valid.view(-1), decay_M=decay.view(-1), prev_M=prev.view(-1),
+                teacher_MD=teacher, K=K, chunk_rows=(opts.chunk_blocks or N) * K)
 
 
 def head_logits(x_MD, head):
@@ -570,19 +627,48 @@ def head_logits(x_MD, head):
     return x_MD @ head.t() if isinstance(head, torch.Tensor) else head.logits_autograd(x_MD)
 
 
-def chunk_loss(rows, head, markov, opts):
+def target_terms(logits_MV, p_MV, kd):
+    """Per row, from the drafter's logits and the target's distribution p (fp32, detached)
+    -> (KD term or None, the confidence head's label). KD: kl = sum_v p_v (log p_v - log q_v),
+    l1 = sum_v |q_v - p_v|. Label: 1 - TV(p, q) = clamp(1 - l1 / 2, 0, 1), the chance that
+    rejection sampling accepts a draft from q; detached (DeepSpec `_compute_accept_rate_3d`)."""
+    logq_MV = F.log_softmax(logits_MV.float(), -1)
+    l1_M = (logq_MV.exp() - p_MV).abs().sum(-1)
+    label_M = (1 - 0.5 * l1_M.detach()).clamp(0, 1)
+    if kd == "kl":
+        return (torch.xlogy(p_MV, p_MV) - p_MV * logq_MV).sum(-1), label_M  # 0 log 0 = 0
+    return (l1_M if kd == "l1" else None), label_M
+
+
+def chunk_loss(rows, head, drafter, opts):
     """One chunk of whole blocks: the logits (LM head + the Markov head's bias), the weights
-    (decay's, or D-PACE's from the detached CE), sum_m w_m CE_m (+ opts.extra) -> (that sum,
-    correct_M). A new loss that needs the logits starts here."""
+    (decay's, or D-PACE's from the detached CE), sum_m w_m CE_m (+ the target-distribution and
+    confidence terms, + opts.extra) -> (that sum, correct_M). A new loss that needs the logits
+    starts here."""
+    cfg = drafter.cfg
     logits_MV = head_logits(rows.out_MD, head)
-    if markov is not None:
-        logits_MV = logits_MV + markov(rows.prev_M)
+    if cfg.markov_rank:
+        logits_MV = logits_MV + drafter.markov_head(rows.prev_M)
     ce_M = F.cross_entropy(logits_MV.float(), rows.labels_M, reduction="none")  # fp32, as fused
     if opts.weighting == "dpace":
         w_M = dpace_weights(ce_M.detach(), rows.valid_M.float(), rows.K, opts.alpha)
     else:
         w_M = rows.decay_M
-    loss = (w_M * ce_M).sum()
+    per_row_M = ce_M
+    if opts.kd != "none" or cfg.confidence_head:
+        if rows.teacher_MD is None:
+            raise ValueError("kd / confidence_head need the target's final hidden states "
+                             "(LossBatch.final_BSD)")
+        with torch.no_grad():  # the target's distribution, fp32
+            p_MV = torch.softmax(head_logits(rows.teacher_MD, head).float(), -1)
+        kd_M, label_M = target_terms(logits_MV, p_MV, opts.kd)
+        if kd_M is not None:
+            per_row_M = (1 - opts.kd_weight) * ce_M + opts.kd_weight * kd_M
+        if cfg.confidence_head:
+            z_M = drafter.confidence_logits(rows.out_MD, rows.prev_M)
+            bce_M = F.binary_cross_entropy_with_logits(z_M, label_M, reduction="none")
+            per_row_M = per_row_M + opts.confidence_weight * bce_M
+    loss = (w_M * per_row_M).sum()
     if opts.extra is not None:
         loss = loss + opts.extra(logits_MV, w_M, rows)
     return loss, logits_MV.argmax(-1) == rows.labels_M
@@ -594,11 +680,10 @@ def plain_head_loss(rows, head, drafter, opts):
     its [rows, V] logits are freed after its forward and recomputed in the backward, so one chunk's
     exist at a time. The price is a third LM-head matmul per chunk, which fused.head_loss avoids by
     computing the input gradient in its forward."""
-    markov = drafter.markov_head if drafter.cfg.markov_rank else None
     loss_sum, correct = 0.0, []
     for i in range(0, rows.labels_M.shape[0], rows.chunk_rows):
         chunk = rows.take(slice(i, i + rows.chunk_rows))
-        loss, ok = checkpoint(chunk_loss, chunk, head, markov, opts, use_reentrant=False)
+        loss, ok = checkpoint(chunk_loss, chunk, head, drafter, opts, use_reentrant=False)
         loss_sum = loss_sum + loss
         correct.append(ok)
     return loss_sum, torch.cat(correct)

@@ -199,25 +199,37 @@ def memory_estimate(cfg, dcfg, target_config, targets_per_node, num_anchors=None
     S = -(-cfg.max_length // cfg.pad_multiple) * cfg.pad_multiple  # the longest batch, padded
     D, F, V, K, L = dcfg.hidden_size, dcfg.intermediate_size, dcfg.vocab_size, dcfg.block_size, dcfg.num_hidden_layers
     q, kv = dcfg.num_attention_heads * dcfg.head_dim, dcfg.num_key_value_heads * dcfg.head_dim
-    nK = len(dcfg.target_layer_ids)
+    nK, fin = len(dcfg.target_layer_ids), final_states(cfg, dcfg)
     P = nK * D * D + L * (D * (2 * q + 2 * kv + 3 * F) + 2 * D + 2 * dcfg.head_dim) + 2 * D  # drafter parameters
-    P += 2 * V * dcfg.markov_rank  # its Markov head
+    P += 2 * V * dcfg.markov_rank + dcfg.confidence_head * (D + dcfg.markov_rank + 1)  # its heads
     R, C = B * N * K, B * S  # block rows, context positions
-    layers, embedding = _target_params(target_config, max(dcfg.target_layer_ids) + 1)
-    T = targets_per_node if cfg.target_shard == "fsdp" else 1
+    chunk = min((cfg.loss_chunk or N) * K, R)  # rows per LM-head chunk
     tc = target_config.get_text_config()
+    # the target's final states: its whole depth runs; they travel beside the layers' (one more
+    # D wide), and the drafter gathers one per row and holds the target's logits, softmax and
+    # the KD terms per chunk (fp32)
+    layers, embedding = _target_params(target_config, tc.num_hidden_layers if fin else
+                                       max(dcfg.target_layer_ids) + 1)
+    nS = nK + fin  # D-wide states per context position
+    T = targets_per_node if cfg.target_shard == "fsdp" else 1
     parts = {"drafter": {"state": P * (2 * b + (4 if b == 2 else 0) + 12), "embedding + head": 2 * V * D * b,
-                         "target states": C * nK * D * b,
+                         "target states": C * nS * D * b + fin * R * D * b,
                          "activations": (L * (R * (4 * D + 3 * q + 3 * kv + 3 * F) + (C + R) * 3 * kv) + C * 2 * D) * b,
-                         "LM-head chunk": min((cfg.loss_chunk or N) * K, R) * V * (2 * b + 8) + R * D * b,
+                         "LM-head chunk": chunk * V * (2 * b + 8 + fin * (b + 12)) + R * D * b,
                          # CPU: SDPA with a dense [B, 1, Q, KV] mask materializes the scores of every layer type
                          "dense attention": 0 if on_gpu(cfg.device) else B * (dcfg.num_attention_heads * 2 * b + 2)
                          * N * K * (S + N * K) * len(set(dcfg.layer_types))},
              "target": {"shard": (sum(layers) + embedding) * b / T,
                         "gathered layers": 2 * max(layers) * b if T > 1 else 0,
                         "activations": C * (6 * tc.hidden_size + 3 * tc.intermediate_size) * b,
-                        "states in flight": C * nK * D * b * (cfg.prefetch + 1)}}
+                        "states in flight": C * nS * D * b * (cfg.prefetch + 1)}}
     return {role: {k: v / GiB for k, v in p.items()} for role, p in parts.items()}
+
+
+def final_states(cfg, dcfg):
+    """Does this run need the target's final hidden states (after its final norm)? For the
+    target-distribution loss (Config.kd_loss) and the confidence head's label."""
+    return cfg.kd_loss != "none" or dcfg.confidence_head
 
 
 def _target_params(target_config, n, _seen={}):

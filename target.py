@@ -79,12 +79,20 @@ def features(hidden_states, layer_ids):
     return torch.cat([hidden_states[k + 1] for k in layer_ids], dim=-1)
 
 
+FINAL = "final"  # in a Capture's ids: the decoder's output after its final norm (LM head input)
+
+
 class Capture:
     """Forward hooks on the decoder layers in layer_ids: the states `features` reads from HF's
-    output_hidden_states, at no extra cost (load_for_capture builds no layer after the deepest)."""
+    output_hidden_states, at no extra cost (load_for_capture builds no layer after the deepest).
+    FINAL as the last id appends the decoder's output, after its final norm, D wide: the
+    target's own next-token distribution through the LM head (model.LossOptions.kd, the
+    confidence head's label); the decoder must then be whole."""
 
     def __init__(self, base, layer_ids):
         self.base, self.ids, self.out = base, list(layer_ids), {}
+        self.final = self.ids[-1] == FINAL
+        self.ids = self.ids[:-1] if self.final else self.ids
         self.layer_id = {base.layers[i]: i for i in set(self.ids)}
         for layer in self.layer_id:
             layer.register_forward_hook(self._hook)
@@ -95,8 +103,9 @@ class Capture:
     @torch.no_grad()
     def __call__(self, input_ids_BS):
         # right padding + causal attention: real tokens never see pads, so no attention mask
-        self.base(input_ids=input_ids_BS, use_cache=False)
-        h = torch.cat([self.out[i] for i in self.ids], dim=-1)  # [B, S, K*D]
+        out = self.base(input_ids=input_ids_BS, use_cache=False)
+        final = [out.last_hidden_state] if self.final else []
+        h = torch.cat([self.out[i] for i in self.ids] + final, dim=-1)  # [B, S, K*D (+ D)]
         self.out.clear()
         return h
 
@@ -126,10 +135,11 @@ class Weights:
 
 
 def target_decoder(path, n_layers, dtype):
-    """The target's decoder with its first n_layers only, on the meta device, frozen, in eval
-    mode."""
+    """The target's decoder with its first n_layers only (None: all), on the meta device, frozen,
+    in eval mode."""
     from transformers import AutoConfig, AutoModelForCausalLM
     tc = AutoConfig.from_pretrained(path, trust_remote_code=False).get_text_config()
+    n_layers = tc.num_hidden_layers if n_layers is None else n_layers
     tc.num_hidden_layers = n_layers
     if getattr(tc, "layer_types", None):
         tc.layer_types = tc.layer_types[:n_layers]
@@ -244,12 +254,14 @@ def target_to_float8(decoder):
 # ---------------------------------------------------------------------- the loaders, by purpose
 def load_for_capture(path, layer_ids, dtype, device, shard=None, fp8=False, verbose=False):
     """Training's frozen target -> Capture at layer_ids: the decoder up to the deepest captured
-    layer, built on the meta device, then `shard(decoder)` (how it is parallelized:
-    train.shard_target; None: a whole copy), filled with this rank's part of the checkpoint only,
-    its linears in FP8 with `fp8`, Gated-DeltaNet's short convolution in fla's kernel where
-    installed. verbose: print progress, then the time and the peak host memory."""
+    layer (all of it when the ids end in FINAL), built on the meta device, then
+    `shard(decoder)` (how it is parallelized: train.shard_target; None: a whole copy), filled
+    with this rank's part of the checkpoint only, its linears in FP8 with `fp8`, Gated-DeltaNet's
+    short convolution in fla's kernel where installed. verbose: print progress, then the time and
+    the peak host memory."""
     t0 = time.time()
-    base = target_decoder(path, max(layer_ids) + 1, dtype)
+    final = list(layer_ids)[-1] == FINAL
+    base = target_decoder(path, None if final else max(layer_ids) + 1, dtype)
     if shard is not None:
         shard(base)
     fill_target(base, path, device, dtype, verbose)

@@ -38,10 +38,11 @@ from fused import Float8Head, head_loss as fused_head_loss
 from model import (DFlashDrafter, DrafterConfig, LossBatch, LossOptions, Tables, dflash_loss,
                    drafter_config_from_target, load_drafter, sample_anchors, to_float8)
 from ranks import (USABLE, Colocated, Dist, Receiver, assign_roles, drafter_schedule,
-                   largest_anchors, memory_check, on_gpu, per_step, placement_table, reduce_stats,
-                   report_failure, role_of, run_target, setup_dist, teardown_dist, torchrun_env,
-                   watch_for_death)
-from target import default_dtype, frozen_tables, load_for_capture, read_target, target_to_float8
+                   final_states, largest_anchors, memory_check, on_gpu, per_step, placement_table,
+                   reduce_stats, report_failure, role_of, run_target, setup_dist, teardown_dist,
+                   torchrun_env, watch_for_death)
+from target import (FINAL, default_dtype, frozen_tables, load_for_capture, read_target,
+                    target_to_float8)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,10 @@ class Config:
     sliding_layers: int = 4  # the first n drafter layers attend in a sliding window, the rest fully
     sliding_window: int = 2048  # tokens, for sliding layers
     markov_rank: int = 0  # > 0: DSpark's low-rank Markov head of this rank (model.MarkovHead)
+    # DSpark's confidence head (model.ConfidenceHead): per drafted position, the chance the
+    # target accepts it; the engines size verification from it. Needs markov_rank > 0 and
+    # loss_impl=plain
+    confidence_head: bool = False
     init_drafter: str = ""  # start from this released-format drafter instead of a random init
     # data
     data: str = "train.jsonl"  # conversations, JSONL or JSON array (OpenAI messages or ShareGPT)
@@ -67,6 +72,13 @@ class Config:
     gamma: float = 7.0  # decay's scale
     dpace_alpha: float = 0.5  # dpace's smoothing of the drafter's confidence, (1 - alpha) q + alpha
     loss_chunk: int = 64  # blocks per LM-head+CE chunk (0: a sequence's); logits exist per chunk
+    # the target's distribution p (its final state through the LM head) as a target beside the
+    # CE, plain path only: none | kl = KL(p || q) | l1 = sum_v |q_v - p_v| (2x total variation:
+    # DSpark's L1)
+    kd_loss: str = "none"
+    # per row (1 - kd_weight) CE + kd_weight KD; 0.9 with l1 is DSpark's CE 0.1 + L1 0.9
+    kd_weight: float = 0.9
+    confidence_weight: float = 1.0  # the confidence head's BCE beside them (DSpark: 1.0)
     # the LM head + CE: fused = fused.HeadCE (the input gradient computed in its forward: faster) |
     # plain = torch autograd per chunk (model.plain_head_loss, new losses start there), same results
     loss_impl: str = "fused"
@@ -209,18 +221,20 @@ def train(cfg, d, target_config, tokenizer):
               f"steps/epoch, {total} steps of {P} micro-batches x {cfg.batch_size}"
               + (f"; resuming at step {start}" if state else ""), flush=True)
         warn_config_changes(cfg, state)
+    final = final_states(cfg, dcfg)  # the target's final states travel too, after the layers'
     capture = None
     if d.is_target:
         shard = partial(shard_target, mesh=d.target_mesh)
-        capture = load_for_capture(cfg.target, dcfg.target_layer_ids, getattr(torch, cfg.dtype),
-                                   d.device, shard, cfg.target_fp8, verbose=d.rank == d.targets[0])
+        capture = load_for_capture(cfg.target, dcfg.target_layer_ids + [FINAL] * final,
+                                   getattr(torch, cfg.dtype), d.device, shard, cfg.target_fp8,
+                                   verbose=d.rank == d.targets[0])
     if not d.is_drafter:
         return run_target(cfg, d, batcher, capture, start, total)
 
     if d.is_target:  # colocated: this process prefills its own micro-batches
         source = Colocated(batcher, capture, d.device)
     else:
-        width = len(dcfg.target_layer_ids) * dcfg.hidden_size
+        width = (len(dcfg.target_layer_ids) + final) * dcfg.hidden_size
         schedule = drafter_schedule(d, cfg.grad_accum, start, total)
         source = Receiver(cfg, d, width, getattr(torch, cfg.dtype), schedule)
     side = build_drafting(cfg, dcfg, d, source, state=state)
@@ -279,7 +293,11 @@ def drafter_loss(cfg, side, batch, hidden_BSC, m):
     depend only on (seed, m): the same sequences get the same blocks whatever the topology."""
     gen = torch.Generator(hidden_BSC.device).manual_seed(cfg.seed * 1_000_003 + m)
     anchors_BN, keep_BN = sample_anchors(batch["loss_mask"], cfg.num_anchors, gen)
-    inputs = LossBatch(batch["input_ids"], batch["loss_mask"], hidden_BSC, anchors_BN, keep_BN)
+    # the layers' states, then the target's final ones when the run sends them (final_states)
+    C = len(side.drafter.cfg.target_layer_ids) * side.drafter.cfg.hidden_size
+    final_BSD = hidden_BSC[..., C:] if hidden_BSC.shape[-1] > C else None
+    inputs = LossBatch(batch["input_ids"], batch["loss_mask"], hidden_BSC[..., :C], anchors_BN,
+                       keep_BN, final_BSD)
     opts = loss_options(cfg, hidden_BSC.device)
     return dflash_loss(side.drafter, side.tables, inputs, opts)
 
@@ -482,6 +500,9 @@ SHAPE = [
      ["block_size", "sliding_layers"]),
     ("mask_token", lambda c, t: not _is_id(c.mask_token) or int(c.mask_token) < t.vocab_size,
      "must be < the target vocabulary ({t.vocab_size})"),
+    ("confidence_head", lambda c, t: not c.confidence_head or c.markov_rank > 0,
+     "needs markov_rank > 0 (vLLM and SGLang serve a confidence head only on a DSpark "
+     "drafter, fed the Markov embedding)", ["markov_rank"]),
     # a V x r, r x V head past rank V is no longer low-rank: it only costs memory and time
     ("markov_rank", lambda c, t: 0 <= c.markov_rank <= min(4096, t.vocab_size),
      "must be in [0, min(4096, the target vocabulary {t.vocab_size})] (0: no Markov head)"),
@@ -522,6 +543,13 @@ RULES = SHAPE + [
     ("loss_weighting", lambda c, t: c.loss_weighting in ("decay", "dpace"),
      "must be decay or dpace"),
     ("loss_impl", lambda c, t: c.loss_impl in ("fused", "plain"), "must be fused or plain"),
+    ("kd_loss", lambda c, t: c.kd_loss in ("none", "kl", "l1"), "must be none, kl or l1"),
+    *_each(["kd_weight"], lambda x: 0 <= x <= 1, "must be in [0, 1]"),
+    *_each(["confidence_weight"], lambda x: 0 <= x < INF, "must be >= 0 and finite"),
+    # fused.HeadCE computes the CE (and the Markov head's) only: these live in model.chunk_loss
+    *[(f, lambda c, t, f=f: getattr(c, f) in ("none", False) or c.loss_impl == "plain",
+       "needs loss_impl=plain (the fused loss computes the CE only)", ["loss_impl"])
+      for f in ("kd_loss", "confidence_head")],
     *_each(["dpace_alpha"], lambda x: 0 < x <= 1, "must be in (0, 1]"),
     ("target_shard", lambda c, t: c.target_shard in ("fsdp", "replicate"),
      "must be fsdp or replicate"),
@@ -628,6 +656,9 @@ def validate(cfg, world, target_config, tokenizer, local_world=None, device_gib=
                             f"[0, {tc.num_hidden_layers})")
             if dcfg.hidden_size != tc.hidden_size or dcfg.vocab_size != tc.vocab_size:
                 errs.append("drafter hidden_size/vocab_size differ from the target's")
+            if cfg.init_drafter and dcfg.confidence_head and cfg.loss_impl != "plain":
+                errs.append(f"init_drafter: {cfg.init_drafter} has a confidence head, which needs "
+                            f"loss_impl=plain (the fused loss computes the CE only)")
             if not errs:
                 errs += memory_check(cfg, dcfg, target_config, world, device_gib)[1]
     if errs:
@@ -696,11 +727,12 @@ def drafter_cfg(cfg, target_config, tokenizer):
 
 def drafter_layers(cfg):
     """The DrafterConfig fields that the Config's layer fields set: depth, block, attention kinds,
-    Markov head (bench.py gives its drafter presets these too)."""
+    Markov and confidence heads (bench.py gives its drafter presets these too)."""
     L, n = cfg.drafter_layers, cfg.sliding_layers
     return dict(num_hidden_layers=L, block_size=cfg.block_size,
                 layer_types=["sliding_attention"] * n + ["full_attention"] * (L - n),
-                sliding_window=cfg.sliding_window if n else None, markov_rank=cfg.markov_rank)
+                sliding_window=cfg.sliding_window if n else None, markov_rank=cfg.markov_rank,
+                confidence_head=cfg.confidence_head)
 
 
 def loss_options(cfg, device):
@@ -708,7 +740,9 @@ def loss_options(cfg, device):
     return LossOptions(weighting=cfg.loss_weighting, gamma=cfg.gamma, alpha=cfg.dpace_alpha,
                        chunk_blocks=cfg.loss_chunk,
                        backend="flex" if device.type == "cuda" else "sdpa",
-                       head_loss=fused_head_loss if cfg.loss_impl == "fused" else None)
+                       head_loss=fused_head_loss if cfg.loss_impl == "fused" else None,
+                       kd=cfg.kd_loss, kd_weight=cfg.kd_weight,
+                       confidence_weight=cfg.confidence_weight)
 
 
 @dataclass(frozen=True)

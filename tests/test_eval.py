@@ -37,10 +37,11 @@ def tiny_target(arch="llama", seed=0):
     return LlamaForCausalLM(LlamaConfig(**kw)).eval()
 
 
-def tiny_drafter(target, block_size=16, seed=1, markov_rank=0):
+def tiny_drafter(target, block_size=16, seed=1, markov_rank=0, confidence_head=False):
     torch.manual_seed(seed)
     cfg = drafter_config_from_target(target.config, None, num_hidden_layers=2, mask_token=MASK,
                                      block_size=block_size, markov_rank=markov_rank,
+                                     confidence_head=confidence_head,
                                      target_layer_ids=[1, 2])  # 4 layers: ids set here
     return DFlashDrafter(cfg).eval()
 
@@ -81,8 +82,8 @@ def test_lossless_random_drafter(arch):
                           ev.EvalOptions(MAX_NEW, block_size=K, eos_ids=[EOS], warmup=False))
         assert res["lossless"] is True and res["divergences"] == []
         for p, g in zip(ps, greedy):
-            out, lengths, committed = ev.spec_decode(target, drafter, p, K,
-                                                     ev.Decoding(MAX_NEW, {EOS}))
+            out, lengths, committed, _ = ev.spec_decode(target, drafter, p, K,
+                                                        ev.Decoding(MAX_NEW, {EOS}))
             assert out == g
             assert sum(committed) == len(out) - 1  # every token after the prefill's first comes from a cycle
             assert max(lengths) <= K and all(0 <= c <= n for c, n in zip(committed, lengths))
@@ -105,7 +106,9 @@ def test_markov_head_drafts_left_to_right_and_stays_lossless(llama):
         hidden = features(out.hidden_states, drafter.cfg.target_layer_ids)
         block = torch.full((1, 8), MASK)
         block[0, 0] = p[-1]
-        toks, _ = ev.draft(drafter, target, block, hidden[:, :-1], None, len(p) - 1, ev.Decoding(0))
+        toks, _, conf = ev.draft(drafter, target, block, hidden[:, :-1], None, len(p) - 1,
+                                 ev.Decoding(0))
+        assert conf is None  # no confidence head
         h, _ = drafter.forward_cached(torch.nn.functional.embedding(block, target.get_input_embeddings().weight),
                                       hidden[:, :-1], None, len(p) - 1)
         logits, prev, want = target.get_output_embeddings()(h[0, 1:]), p[-1], []
@@ -117,6 +120,59 @@ def test_markov_head_drafts_left_to_right_and_stays_lossless(llama):
     res = ev.evaluate(target, None, drafter, prompts(),
                       ev.EvalOptions(MAX_NEW, eos_ids=[EOS], warmup=False))
     assert res["lossless"] is True
+
+
+def test_confidence_calibration_on_hand_made_cycles():
+    """Two cycles of K = 4: head probabilities (0.9, 0.5, 0.5) with 2 drafts accepted, (0.8, 1.0,
+    0.5) with none. Predicted prefix acceptance = the running product: (0.9, 0.45, 0.225) and
+    (0.8, 0.8, 0.4); realized: (1, 1, 0) and (0, 0, 0); per offset the sums of the predictions and
+    of the squared errors, then the means over cycles."""
+    sums = ev.calibration_sums([[0.9, 0.5, 0.5], [0.8, 1.0, 0.5]], [3, 1])
+    want_pred, want_sq = [1.7, 1.25, 0.625], [0.01 + 0.64, 0.3025 + 0.64, 0.225 ** 2 + 0.16]
+    for got, want in ((sums["conf_pred"], want_pred), (sums["conf_sq_err"], want_sq)):
+        assert got == pytest.approx(want)
+    cal = ev.calibration([sums], [0.5, 0.5, 0.0], 2)
+    assert cal["predicted"] == pytest.approx([0.85, 0.625, 0.3125])
+    assert cal["brier"] == pytest.approx([x / 2 for x in want_sq])
+    assert cal["realized"] == [0.5, 0.5, 0.0]
+    assert ev.calibration_sums([None, None], [1, 2]) == {}
+    assert ev.calibration([{}], [0.5], 1) is None
+
+
+def test_confidence_head_stays_lossless_and_is_reported(llama):
+    """A drafter with a Markov and a confidence head (random, with a large spread): greedy decoding
+    stays lossless in fp32, and the results carry the head's calibration per offset 1..K-1:
+    predicted prefix acceptance (the product of the head's probabilities over [h ;
+    markov_w1[previous drafted token]], written out here for the first cycle) against the
+    realized rate (pos_accept), with its Brier score."""
+    target, _ = llama
+    drafter = tiny_drafter(target, block_size=8, markov_rank=4, confidence_head=True)
+    with torch.no_grad():
+        drafter.confidence_head.proj.weight.normal_(0, 1.0)
+    res = ev.evaluate(target, None, drafter, prompts(),
+                      ev.EvalOptions(MAX_NEW, eos_ids=[EOS], warmup=False))
+    assert res["lossless"] is True
+    cal = res["confidence"]
+    assert cal["realized"] == res["pos_accept"] and len(cal["predicted"]) == len(cal["brier"]) == 7
+    assert all(0 < x < 1 for x in cal["predicted"]) and all(0 <= x <= 1 for x in cal["brier"])
+    assert cal["predicted"] == sorted(cal["predicted"], reverse=True)  # a product of probabilities
+    p = prompts()[2]
+    with torch.inference_mode():
+        out = target(input_ids=torch.tensor([p]), output_hidden_states=True)
+        hidden = ev.features(out.hidden_states, drafter.cfg.target_layer_ids)
+        block = torch.full((1, 8), MASK)
+        block[0, 0] = p[-1]
+        toks, _, conf = ev.draft(drafter, target, block, hidden[:, :-1], None, len(p) - 1,
+                                 ev.Decoding(0))
+        x = torch.nn.functional.embedding(block, target.get_input_embeddings().weight)
+        h, _ = drafter.forward_cached(x, hidden[:, :-1], None, len(p) - 1)
+        prev = torch.tensor([p[-1]] + toks[0, :-1].tolist())
+        x = torch.cat([h[0, 1:], drafter.markov_head.markov_w1(prev)], -1)
+        torch.testing.assert_close(conf, torch.sigmoid(drafter.confidence_head.proj(x)[:, 0]))
+    no_head = tiny_drafter(target, 8, markov_rank=4)
+    res = ev.evaluate(target, None, no_head, prompts(1),
+                      ev.EvalOptions(8, eos_ids=[EOS], warmup=False))
+    assert res["confidence"] is None
 
 
 def test_eos_inside_block(llama):
@@ -152,13 +208,13 @@ def test_drafts_match_training_forward(monkeypatch, llama):
     full_text, real_draft = p + ev.plain_decode(target, p, ev.Decoding(MAX_NEW, set())), ev.draft
 
     def draft(drafter_, target_, block, new_hidden, cache, start, *a):
-        toks, cache = real_draft(drafter_, target_, block, new_hidden, cache, start, *a)
+        toks, cache, conf = real_draft(drafter_, target_, block, new_hidden, cache, start, *a)
         if len(seen) % 2:
             toks = torch.tensor([(full_text[start + 1:start + K] + [0] * K)[:block.shape[1] - 1]])
-        return toks, cache
+        return toks, cache, conf
 
     monkeypatch.setattr(ev, "draft", draft)
-    out, lengths, _ = ev.spec_decode(target, drafter, p, K, ev.Decoding(MAX_NEW, set()))
+    out, lengths, *_ = ev.spec_decode(target, drafter, p, K, ev.Decoding(MAX_NEW, set()))
     assert K in lengths and 1 in lengths
     seq = torch.tensor([p + out])
     with torch.no_grad():
@@ -187,7 +243,7 @@ def _scripted(monkeypatch, target, p, shift):
     def draft(drafter, target_, block, new_hidden, cache, start, how):
         K = block.shape[1]
         toks = (full[start + 1:start + K] + [0] * K)[:K - 1]
-        return (torch.tensor([toks]) + shift) % V, cache
+        return (torch.tensor([toks]) + shift) % V, cache, None
 
     monkeypatch.setattr(ev, "draft", draft)
     return full[len(p):len(p) + MAX_NEW]
@@ -198,7 +254,8 @@ def test_oracle_drafter_accepts_whole_blocks(monkeypatch, llama, K):
     target, drafter = llama
     p = prompts()[2]
     greedy = _scripted(monkeypatch, target, p, shift=0)
-    out, lengths, committed = ev.spec_decode(target, drafter, p, K, ev.Decoding(MAX_NEW, set()))
+    out, lengths, committed, _ = ev.spec_decode(target, drafter, p, K,
+                                                ev.Decoding(MAX_NEW, set()))
     assert out == greedy
     cycles = (MAX_NEW - 1) // K + 1  # the authors' loop: a cycle while at most MAX_NEW tokens are out, blocks whole
     assert lengths == [K] * cycles  # every block, the last too: K-1 drafts + the bonus, counted past MAX_NEW
@@ -218,8 +275,8 @@ def test_tau_counts_as_the_authors_loop_at_eos(monkeypatch, llama, j):
     p, K = prompts()[2], 4
     greedy = _scripted(monkeypatch, target, p, shift=0)
     j = greedy.index(greedy[j])  # its first occurrence
-    out, lengths, committed = ev.spec_decode(target, drafter, p, K,
-                                             ev.Decoding(MAX_NEW, {greedy[j]}))
+    out, lengths, committed, _ = ev.spec_decode(target, drafter, p, K,
+                                                ev.Decoding(MAX_NEW, {greedy[j]}))
     cycles = max(1, (j - 1) // K + 1)  # the first cycle after which the output holds new token j
     assert out == greedy[:j + 1] and lengths == [K] * cycles and sum(committed) == j
     res = ev.evaluate(target, None, drafter, [p],

@@ -124,7 +124,7 @@ def _loss_and_grads(drafter, tables, batch, opts=LossOptions()):
 def _forward(drafter, tables, batch, gamma=7.0):
     """The training forward of the batch's blocks written out here, for references in autograd
     -> (out [B, N*K, D], labels, valid, decay weights [B, N, K])."""
-    cfg, (ids, lm, hidden, anchors, keep) = drafter.cfg, batch
+    cfg, (ids, lm, hidden, anchors, keep) = drafter.cfg, batch[:5]
     x, pos, _ = blocks_input(cfg, tables.embed_VD, ids, anchors, keep)
     out = drafter(x, hidden, pos, build_masks(anchors, keep, 30, cfg.block_size, cfg.layer_types, 6,
                                               "sdpa"))
@@ -397,7 +397,7 @@ def test_loss_matches_direct_formula():
     """loss_sum = sum_k w_k * CE(lm_head(out), label) over valid positions, from an independent
     computation; the statistics likewise."""
     drafter, tables, batch = _loss_setup(1)
-    (ids, lm, _, anchors, keep), K = batch, drafter.cfg.block_size
+    (ids, lm, _, anchors, keep), K = batch[:5], drafter.cfg.block_size
     r = dflash_loss(drafter, tables, batch, LossOptions(gamma=5.0, chunk_blocks=0))
     logits = _forward(drafter, tables, batch)[0] @ tables.head_VD.t()
     want, wsum, n_correct, tau = 0.0, 0.0, 0, 0.0
@@ -631,6 +631,127 @@ def test_checkpoint_carries_what_each_engine_reads(tmp_path, engine):
         f"layers.{i}.{w}.weight" for i in range(2) for w in LAYER_WEIGHTS}
 
 
+def test_target_distribution_terms_and_gradients_by_hand():
+    """model.target_terms on two rows of V = 3, worked out here. Drafter logits (0, ln 2, 0): q =
+    (1/4, 1/2, 1/4). Row 0, target p = (0.6, 0.3, 0.1): KL(p || q) = sum p ln(p / q), its gradient
+    in the logits q - p = (-0.35, 0.2, 0.15); L1 = 0.35 + 0.2 + 0.15 = 0.7, its gradient
+    q_j (s_j - sum_v s_v q_v) with s = sign(q - p) = (-1, 1, 1), sum s q = 0.5: (-0.375, 0.25,
+    0.125); the confidence label 1 - L1 / 2 = 0.65 = sum_v min(p_v, q_v). Row 1, p one-hot on
+    token 0: KL = -ln q_0 = ln 4 (the CE; 0 ln 0 counts 0), L1 = 2 (1 - q_0) = 1.5, label 0.25."""
+    p = torch.tensor([[0.6, 0.3, 0.1], [1.0, 0.0, 0.0]])
+    for kd, want, grad in (("kl", [0.6 * math.log(2.4) + 0.3 * math.log(0.6) + 0.1 * math.log(0.4),
+                                   math.log(4)], [-0.35, 0.2, 0.15]),
+                           ("l1", [0.7, 1.5], [-0.375, 0.25, 0.125])):
+        z = torch.tensor([[0.0, math.log(2), 0.0]] * 2, requires_grad=True)
+        kd_M, label_M = model.target_terms(z, p, kd)
+        torch.testing.assert_close(kd_M, torch.tensor(want))
+        torch.testing.assert_close(label_M, torch.tensor([0.65, 0.25]))
+        assert not label_M.requires_grad  # a fixed target for the BCE, as DeepSpec detaches it
+        kd_M[0].backward()
+        torch.testing.assert_close(z.grad[0], torch.tensor(grad))
+        assert torch.isfinite(z.grad).all() and (z.grad[1] == 0).all()
+    assert model.target_terms(z, p, "none")[0] is None
+
+
+def _teacher_setup(seed, markov_rank=0, confidence_head=False):
+    """_loss_setup plus the target's final states [B, S, D] in the batch."""
+    drafter, tables, batch = _loss_setup(seed, markov_rank)
+    if confidence_head:
+        drafter = DFlashDrafter(dataclasses.replace(drafter.cfg, confidence_head=True))
+    final = torch.randn(*batch.input_ids_BS.shape, D)
+    return drafter, tables, batch._replace(final_BSD=final)
+
+
+def _teacher_reference(drafter, tables, batch, weighting="decay"):
+    """Per row, written out here: the drafter's logits, CE, the target's distribution p from the
+    final state at label position - 1 (anchor + k - 1), and the row weights (decay, or D-PACE's
+    from the detached CE); -> (logits, ce, p, w, prev) flattened over B N K."""
+    K, ids, anchors = drafter.cfg.block_size, batch.input_ids_BS, batch.anchors_BN
+    out, labels, valid, decay = _forward(drafter, tables, batch)
+    prev = torch.tensor([[[int(ids[b, min(int(a) + max(k - 1, 0), 29)]) for k in range(K)]
+                          for a in anchors[b]] for b in range(2)]).view(-1)
+    logits = out.reshape(-1, D) @ tables.head_VD.t()
+    if drafter.cfg.markov_rank:
+        logits = logits + drafter.markov_head(prev)
+    ce = F.cross_entropy(logits, labels.reshape(-1), reduction="none")
+    at = torch.tensor([[max(int(a) + k - 1, 0) for a in anchors[b] for k in range(K)]
+                       for b in range(2)])
+    teacher = torch.stack([batch.final_BSD[b, at[b].clamp(max=29)] for b in range(2)]).view(-1, D)
+    p = (teacher @ tables.head_VD.t()).softmax(-1)
+    w = decay.reshape(-1)
+    if weighting == "dpace":
+        w = dpace_weights(ce.detach(), valid.reshape(-1).float(), K, 0.5)
+    return logits, ce, p, w, prev, out.reshape(-1, D)
+
+
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+@pytest.mark.parametrize("kd", ["kl", "l1"])
+def test_kd_loss_and_gradients_match_the_formula(kd, weighting):
+    """kd with kd_weight 0.3, chunks of 3 blocks: loss_sum = sum_m w_m (0.7 CE_m + 0.3 KD_m), KD
+    against the target's distribution at the label's position - 1, written out here; w decay's or
+    D-PACE's (from the CE alone); every gradient equals autograd's of that sum. The CE-only loss
+    differs, and the statistics (weights, accuracy) are the CE run's."""
+    drafter, tables, batch = _teacher_setup(7)
+    opts = LossOptions(weighting=weighting, chunk_blocks=3, kd=kd, kd_weight=0.3)
+    r, grads = _loss_and_grads(drafter, tables, batch, opts)
+    logits, ce, p, w, _, _ = _teacher_reference(drafter, tables, batch, weighting)
+    q = logits.softmax(-1)
+    kd_M = ((p * (p.log() - q.log())).sum(-1) if kd == "kl" else (q - p).abs().sum(-1))
+    ref = (w * (0.7 * ce + 0.3 * kd_M)).sum()
+    _same_loss_and_gradients(drafter, r, grads, ref)
+    r0 = dflash_loss(drafter, tables, batch, dataclasses.replace(opts, kd="none"))
+    assert abs(r0["loss_sum"].item() - r["loss_sum"].item()) > 1e-2
+    for key in ("weight_sum", "correct_K", "count_K", "tau_sum"):
+        assert torch.equal(r0[key], r[key]), key
+    with pytest.raises(ValueError, match="kd"):
+        dflash_loss(drafter, tables, batch, dataclasses.replace(opts, head_loss=fused.head_loss))
+    with pytest.raises(ValueError, match="final hidden states"):
+        dflash_loss(drafter, tables, batch._replace(final_BSD=None), opts)
+
+
+def test_confidence_head_loss_labels_and_gradients():
+    """A confidence head on a Markov drafter (rank 8): loss_sum = sum_m w_m (CE_m + 0.5 BCE(z_m,
+    1 - TV(p_m, q_m))) with z_m = proj([h_m ; markov_w1[previous true token]]), written out here;
+    gradients equal autograd's (the label held fixed) and reach the head, markov_w1 and the
+    backbone. Labels on hand-made blocks: test_target_distribution_terms_and_gradients_by_hand."""
+    drafter, tables, batch = _teacher_setup(8, markov_rank=8, confidence_head=True)
+    opts = LossOptions(chunk_blocks=2, confidence_weight=0.5)
+    r, grads = _loss_and_grads(drafter, tables, batch, opts)
+    logits, ce, p, w, prev, h = _teacher_reference(drafter, tables, batch)
+    label = (1 - 0.5 * (logits.softmax(-1) - p).abs().sum(-1)).clamp(0, 1).detach()
+    z = drafter.confidence_head.proj(torch.cat([h, drafter.markov_head.markov_w1(prev)], -1))
+    bce = F.binary_cross_entropy_with_logits(z.squeeze(-1), label, reduction="none")
+    _same_loss_and_gradients(drafter, r, grads, (w * (ce + 0.5 * bce)).sum())
+    assert grads["confidence_head.proj.weight"].abs().sum() > 0
+    assert grads["confidence_head.proj.bias"] != 0
+    assert 0 < float(label[w > 0].min()) and float(label.max()) < 1
+
+
+def test_confidence_head_checkpoint_as_the_engines_read_it(tmp_path):
+    """The fields and names vLLM (qwen3_dspark.py) and SGLang (qwen3_dspark.py) read:
+    enable_confidence_head and confidence_head_with_markov true, confidence_head.proj.weight
+    [1, D + r] and .bias [1]; load_drafter gives the same drafter back. Without a Markov head it is
+    refused (neither engine serves one there)."""
+    cfg = dataclasses.replace(tiny_cfg(), markov_rank=8, confidence_head=True)
+    drafter = DFlashDrafter(cfg)
+    save_drafter(drafter, tmp_path, dtype=None)
+    c = json.loads((tmp_path / "config.json").read_text())
+    assert c["architectures"] == ["Qwen3DSparkModel"]
+    assert c["enable_confidence_head"] is True and c["confidence_head_with_markov"] is True
+    from safetensors import safe_open
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys() if k.startswith("conf")}
+    assert shapes == {"confidence_head.proj.weight": [1, D + 8], "confidence_head.proj.bias": [1]}
+    back = load_drafter(tmp_path)
+    assert back.cfg == cfg and back.cfg.confidence_head
+    sd = drafter.state_dict()
+    assert all(torch.equal(v, sd[k]) for k, v in back.state_dict().items())
+    with pytest.raises(ValueError, match="confidence_head needs markov_rank"):
+        dataclasses.replace(tiny_cfg(), confidence_head=True)
+    c["confidence_head_with_markov"] = False
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ValueError, match="confidence_head_with_markov"):
+        load_drafter(tmp_path)
 # What SpecForge's DSparkDraftModel reads (sgl-project/SpecForge
 # specforge/modeling/draft/dspark.py and its base dflash.py, commit a6b6b02, read 2026-12-03):
 # the head from dflash_config only (markov_rank > 0; markov_head_type "vanilla": markov_w1 =

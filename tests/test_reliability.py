@@ -344,6 +344,14 @@ INVALID = [
     ("mask token plus space", dict(mask_token="<empty_output> "), "mask_token"),
     ("run dir outside out_dir", dict(run_name="{link}"), "run_name"),
     ("out_dir a file", dict(out_dir="{file}"), "out_dir"),
+    ("kd unknown", dict(kd_loss="tv", loss_impl="plain"), "kd_loss"),
+    ("kd weight past 1", dict(kd_weight=1.5), "kd_weight"),
+    ("kd on the fused path", dict(kd_loss="kl"), "kd_loss"),
+    ("confidence weight negative", dict(confidence_weight=-1.0), "confidence_weight"),
+    ("confidence head without a Markov head", dict(confidence_head=True, loss_impl="plain"),
+     "confidence_head"),
+    ("confidence head on the fused path", dict(confidence_head=True, markov_rank=8),
+     "confidence_head"),
     ("more than any machine holds", dict(max_length=2 ** 20, num_anchors=2 ** 19), "num_anchors"),  # memory check
 ]
 
@@ -603,6 +611,27 @@ def test_memory_estimate_refuses_what_cannot_fit_and_names_the_largest_num_ancho
         return sum(ranks.memory_estimate(cfg, dcfg, tc, 2, n)["drafter"].values())
     assert drafter(fit) <= 0.95 * device < drafter(fit + 1)
     train.validate(train.Config(**{**valid, "num_anchors": fit}), 3, tc, tok, device_gib=device)
+
+
+def test_memory_estimate_counts_the_final_states(valid, target_meta):
+    """--kd_loss (or a confidence head): the target shard holds all 6 layers, not 4 (ids up to 3);
+    the drafter holds the final states (one more D-wide slice per context position, one gathered
+    per block row) and, per LM-head chunk, the target's logits, softmax and the KD terms
+    (b + 12 bytes per logit, b = 2 in bf16); the states in flight grow by a quarter (3 ids -> 4
+    slices). Exact differences, written out here."""
+    import ranks
+    tc, tok = target_meta
+    plain, kd = train.Config(**valid), train.Config(**valid, kd_loss="kl", loss_impl="plain")
+    dcfg = train.drafter_cfg(plain, tc, tok)
+    a, b = (ranks.memory_estimate(c, dcfg, tc, 2) for c in (plain, kd))
+    layer = sum(ranks._target_params(tc, 6)[0][4:]) * 2 / 2 / ranks.GiB  # bf16, over 2 ranks
+    assert b["target"]["shard"] - a["target"]["shard"] == pytest.approx(layer)
+    assert b["target"]["states in flight"] == pytest.approx(a["target"]["states in flight"] * 4 / 3)
+    S, N, K, V, D = 64, 8, 4, 49152, 64
+    extra = (S * D + N * K * D) * 2 / ranks.GiB
+    assert b["drafter"]["target states"] - a["drafter"]["target states"] == pytest.approx(extra)
+    chunk = min(64 * K, N * K) * V * (2 + 12) / ranks.GiB
+    assert b["drafter"]["LM-head chunk"] - a["drafter"]["LM-head chunk"] == pytest.approx(chunk)
 
 
 def test_plan_prints_each_roles_memory_and_the_largest_num_anchors_per_length(valid, target_meta, capsys):

@@ -231,6 +231,50 @@ def test_dpace_normalization_is_split_invariant(tiny_target, convs, tmp_path):
     assert runs[1]["loss"] != pytest.approx(runs[0]["loss"], rel=1e-3)
 
 
+def test_capture_final_state_is_the_lm_heads_input(tiny_target):
+    """Ids ending in FINAL: the whole decoder is built and the capture appends its output after the
+    final norm, D wide, after the layers' states; through the LM head it gives the target's own
+    logits. Without FINAL the decoder stops at the deepest captured layer, as before."""
+    from transformers import AutoModelForCausalLM
+    from target import FINAL
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    ids = torch.randint(0, 49152, (2, 20))
+    with torch.no_grad():
+        out = hf(ids, output_hidden_states=True)
+    cap = load_for_capture(str(tiny_target), [0, 2, 3, FINAL], torch.float32, torch.device("cpu"))
+    got = cap(ids)
+    assert got.shape == (2, 20, 4 * 64) and len(cap.base.layers) == 6
+    layers = torch.cat([out.hidden_states[k + 1] for k in (0, 2, 3)], -1)
+    torch.testing.assert_close(got[..., :192], layers)
+    torch.testing.assert_close(hf.lm_head(got[..., 192:]), out.logits, atol=1e-4, rtol=1e-4)
+    plain = load_for_capture(str(tiny_target), [0, 2, 3], torch.float32, torch.device("cpu"))
+    assert len(plain.base.layers) == 4 and torch.equal(plain(ids), got[..., :192])
+
+
+def test_kd_and_confidence_head_train_through_train_py(tiny_target, convs, tmp_path):
+    """The target-distribution loss and the confidence head through the real main(): under torchrun
+    (2 targets + 1 drafter: the final states travel with the layers') --kd_loss=l1 with a Markov
+    and a confidence head, and in one process --kd_loss=kl under D-PACE. Both end, the loss falls,
+    the checkpoint carries the head (its weights moved from their init), and the kl run's loss
+    differs from the CE-only run's on the same data and seed."""
+    from model import load_drafter
+    common = ["--max_steps=6", "--loss_impl=plain", "--lr=3e-3"]
+    runs = {"l1": (3, ["--kd_loss=l1", "--markov_rank=8", "--confidence_head=true",
+                       "--target_ranks=2", "--drafter_ranks=1"]),
+            "kl": (1, ["--kd_loss=kl", "--kd_weight=0.5", "--loss_weighting=dpace"]),
+            "ce": (1, ["--loss_weighting=dpace"])}
+    for name, (nproc, extra) in runs.items():
+        p, _ = run_train(tiny_target, convs, tmp_path / name, nproc, *common, *extra)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        rows = metrics(tmp_path / name)
+        assert rows[-1]["loss"] < rows[0]["loss"], name
+    init, last = (load_drafter(tmp_path / "l1" / "r" / n) for n in ("init", "ckpt-0000006"))
+    assert last.cfg.confidence_head and init.cfg == last.cfg
+    assert not torch.equal(init.confidence_head.proj.weight, last.confidence_head.proj.weight)
+    kl, ce = (metrics(tmp_path / name)[0]["loss"] for name in ("kl", "ce"))
+    assert kl != pytest.approx(ce, rel=1e-3)
+
+
 def test_markov_head_trains_through_train_py(tiny_target, convs, tmp_path):
     """--markov_rank=8 under torchrun (2 targets + 1 drafter): the run ends, its checkpoint is a DSpark drafter that
     loads with the head, the head's weights moved from their init, and the loss fell."""
