@@ -18,6 +18,8 @@ Both executors evaluate the same `dflash_mask_mod`, so they cannot disagree on t
 Test: python -m pytest -q tests/test_attention.py
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
@@ -28,6 +30,19 @@ TILE = 128  # flex_attention's default BlockMask granularity (rows and columns)
 # SDPA backends for decoding (eval.py, data.py's regeneration): all but cuDNN, which plans on the host for each new
 # q/k/v/mask shape, and decoding grows the key length every step (~3x slower on an H200, BENCHMARKS.md).
 NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH, SDPBackend.OVERRIDEABLE]
+
+
+def compile_on_first_call(fn, **options):
+    """torch.compile(fn, **options), made when first called. Making the handle imports inductor:
+    ~0.9 s of CPU per process that a CPU run never uses (the CPU tests start ~100 processes)."""
+    handle = []
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if not handle:
+            handle.append(torch.compile(fn, **options))
+        return handle[0](*args, **kwargs)
+    return call
 
 
 # ----------------------------------------------------------------------------- the rule
@@ -117,7 +132,7 @@ def _block_masks(anchors_BN, keep_BN, S_t, K, KV, windows, mask_mods):
 # waits for at the start of every step (BENCHMARKS.md). Dynamic shapes: one graph per tuple of window values, whatever
 # the length (a single KV tile, S + N*K <= 128, is specialized: one more). The mask_mod closures are made outside and
 # passed in, as with a compiled create_block_mask.
-_block_masks_compiled = torch.compile(_block_masks, dynamic=True)
+_block_masks_compiled = compile_on_first_call(_block_masks, dynamic=True)
 
 
 def dflash_block_masks(anchors_BN, keep_BN, S, K, windows, compiled=None):
@@ -148,7 +163,7 @@ def build_masks(anchors_BN, keep_BN, S, K, layer_types, window, backend):
 
 # ----------------------------------------------------------------------------- executors
 # The compiled flex kernel, once per process (one per GPU: no compiled code is shared between threads); lazy.
-flex_compiled = torch.compile(flex_attention)
+flex_compiled = compile_on_first_call(flex_attention)
 
 
 def configure_compile(recompile_limit=16):

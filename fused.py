@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from attention import compile_on_first_call
 from model import dpace_weights
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -52,8 +53,9 @@ def _ce_chunk(logits_MV, labels_M, w_M, dpace=None, fp8=False):
     return (ce * w_M).sum(), x.argmax(-1) == labels_M, grad
 
 
-_ce_chunk_compiled = torch.compile(_ce_chunk, dynamic=False)  # lazy; fixed shapes per run
-_rows_fp8_compiled = torch.compile(_rows_fp8, dynamic=False)  # row maxima, then scale and cast
+_ce_chunk_compiled = compile_on_first_call(_ce_chunk, dynamic=False)  # fixed shapes per run
+# one pass for the row maxima, one to scale and cast
+_rows_fp8_compiled = compile_on_first_call(_rows_fp8, dynamic=False)
 
 
 class Head:

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from attention import attend, build_masks
+from attention import attend, build_masks, compile_on_first_call
 
 
 # ------------------------------------------------- helpers: RMSNorm and rotary embedding, both as Qwen3/HF compute them
@@ -163,7 +163,7 @@ def _layer_call(layer, x, ctx, cos, sin, mask):
 # A decoder layer's training forward, compiled on CUDA: inductor fuses the norms, RoPE, SwiGLU and residuals (each its
 # own pass over [B, N*K, D] eagerly) into the matmuls (BENCHMARKS.md), flex attention inside. The layer is an argument:
 # layers of one type share one graph (weights are inputs), plus one once the sequence length turns dynamic.
-_layer_compiled = torch.compile(_layer_call)
+_layer_compiled = compile_on_first_call(_layer_call)
 
 
 # ------------- config: exactly what the released config.json holds (the fields the authors' code, vLLM and SGLang read)

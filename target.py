@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from attention import compile_on_first_call
 from fused import _rows_fp8
 
 
@@ -217,7 +218,8 @@ def fla_short_conv(decoder, conv=None, device_type="cuda"):
 
 
 # ---------------------------------------------------------------------- the linears in FP8
-_rows_fp8_dynamic = torch.compile(_rows_fp8, dynamic=True)  # activations: one graph, any length
+# the activations: one graph for every length
+_rows_fp8_dynamic = compile_on_first_call(_rows_fp8, dynamic=True)
 
 
 class Float8Frozen(nn.Module):

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,11 @@ def run_train(tiny_target, convs, out, nproc, *args, env=None, timeout=300, torc
     return p, time.time() - t0
 
 
+def run_trains(tiny_target, convs, *jobs, timeout=300):
+    """Independent one-process runs of one test at the same time, each job (out, 1, *args) as run_train takes
+    them -> their CompletedProcesses in job order. Start-up (imports, loading) is most of a tiny run, and one
+    process keeps one core busy: side by side, they use both cores of a 2-core machine. (torchrun jobs gain
+    nothing: their ranks already fill both cores, and two jobs at once took longer than one after the other.)"""
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        runs = [pool.submit(run_train, tiny_target, convs, *job, timeout=timeout) for job in jobs]
+        return [r.result()[0] for r in runs]

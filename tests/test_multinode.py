@@ -39,15 +39,16 @@ def test_route_keeps_traffic_on_node_and_in_order(nnodes, T, D, accum):
 
 
 def test_plan_tables_need_no_gpu(tiny_target):
-    for nodes in (1, 2, 4):
-        p = subprocess.run([sys.executable, str(ROOT / "train.py"), f"--plan={nodes}x8", f"--target={tiny_target}"],
-                           capture_output=True,
-                           text=True, cwd=ROOT, timeout=120)
-        assert p.returncode == 0, p.stderr
-        rows = [line for line in p.stdout.splitlines() if line.strip()[:1].isdigit()]
+    plans = {nodes: subprocess.Popen([sys.executable, str(ROOT / "train.py"), f"--plan={nodes}x8",
+                                      f"--target={tiny_target}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, cwd=ROOT) for nodes in (1, 2, 4)}  # side by side
+    for nodes, p in plans.items():
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        rows = [line for line in out.splitlines() if line.strip()[:1].isdigit()]
         assert len(rows) == 8 * nodes
         assert sum(" target " in r for r in rows) == 5 * nodes and sum(" drafter " in r for r in rows) == 3 * nodes
-        assert ("across nodes" in p.stdout) == (nodes > 1)
+        assert ("across nodes" in out) == (nodes > 1)
         for r in rows:  # every target feeds only drafters of its own node
             rank, node, _, role, arrow, peers = r.split()
             assert all(int(q) // 8 == int(node) for q in peers.split(","))

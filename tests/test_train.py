@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import train
-from conftest import free_port, run_train
+from conftest import free_port, run_train, run_trains
 from model import build_target_layer_ids
 from target import load_for_capture
 
@@ -92,42 +92,59 @@ def test_schedule_is_lazy_up_to_the_largest_max_steps():
     assert [next(it) for _ in range(4)] == [31, 34, 37, 40]  # steps 5, 6: 6 micro-batches a step, every 3rd from 1
 
 
-def _capture_check(rank, world, port, tiny_target, ids, ref, shard):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    cfg = train.Config(target=str(tiny_target), device="cpu", target_ranks=world - 1, drafter_ranks=1,
-                       target_shard=shard, mask_token="<empty_output>", drafter_layers=2, target_features=3,
-                       sliding_layers=0, dtype="float32")
-    d = train.setup_dist(cfg, train.torchrun_env())
-    from model import DrafterConfig
-    dcfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, vocab_size=49152, mask_token_id=16,
-                         target_layer_ids=[0, 2, 3], num_target_layers=6)
-    if d.is_target:
-        cap = load_for_capture(cfg.target, dcfg.target_layer_ids, torch.float32, d.device,
-                               lambda dec: train.shard_target(dec, d.target_mesh))
-        got = cap(ids)
-        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-        if shard == "fsdp":  # really sharded: this rank holds only its chunk of each weight
+SHARDS, CAPTURED = ("fsdp", "replicate"), [0, 2, 3]
+
+
+def _capture(rank, world, ports, tiny_target, ids, out, shards):
+    """One rank of a job of `world - 1` target ranks and a drafter: each target rank captures `ids` under each
+    sharding in turn (a process group per sharding) and saves what it got, and its rows of a weight, to
+    out/SHARD-RANK.pt."""
+    for shard, port in zip(shards, ports):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+        cfg = train.Config(target=str(tiny_target), device="cpu", target_ranks=world - 1, drafter_ranks=1,
+                           target_shard=shard, mask_token="<empty_output>", drafter_layers=2, target_features=3,
+                           sliding_layers=0, dtype="float32")
+        d = train.setup_dist(cfg, train.torchrun_env())
+        if d.is_target:
+            cap = load_for_capture(cfg.target, CAPTURED, torch.float32, d.device,
+                                   lambda dec: train.shard_target(dec, d.target_mesh))
             w = cap.base.layers[0].mlp.up_proj.weight
-            assert w.to_local().shape[0] < w.shape[0]
-    train.teardown_dist(d)
+            rows = (w.to_local().shape[0] if shard == "fsdp" else None, w.shape[0])
+            torch.save({"got": cap(ids), "rows": rows}, out / f"{shard}-{rank}.pt")
+        train.teardown_dist(d)
+
+
+@pytest.fixture(scope="module")
+def captured_by_3_processes(tiny_target, tmp_path_factory):
+    """ids, {shard: what each target rank of one 3-process job captured}: one job serves both shardings."""
+    out = tmp_path_factory.mktemp("capture")
+    ids = torch.randint(0, 49152, (2, 20), generator=torch.Generator().manual_seed(0))
+    torch.multiprocessing.spawn(_capture, args=(3, [free_port(), free_port()], tiny_target, ids, out, SHARDS),
+                                nprocs=3)
+    return ids, {shard: [torch.load(out / f"{shard}-{r}.pt") for r in (0, 1)] for shard in SHARDS}
 
 
 @pytest.mark.parametrize("world,shard", [(1, "replicate"), (3, "fsdp"), (3, "replicate")])
-def test_capture_matches_output_hidden_states(tiny_target, world, shard):
-    """Features at id k == HF output_hidden_states[k+1] (output of decoder layer k), concatenated in id order."""
+def test_capture_matches_output_hidden_states(tiny_target, world, shard, request, tmp_path):
+    """Features at id k == HF output_hidden_states[k+1] (output of decoder layer k), concatenated in id order, on
+    every target rank."""
     from transformers import AutoModelForCausalLM
+    if world == 1:
+        ids = torch.randint(0, 49152, (2, 20))
+        _capture(0, 1, [0], tiny_target, ids, tmp_path, [shard])
+        ranks = [torch.load(tmp_path / f"{shard}-0.pt")]
+    else:
+        ids, by_shard = request.getfixturevalue("captured_by_3_processes")
+        ranks = by_shard[shard]
     hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
-    ids = torch.randint(0, 49152, (2, 20))
     with torch.no_grad():
         hs = hf(ids, output_hidden_states=True).hidden_states
-    ref = torch.cat([hs[k + 1] for k in (0, 2, 3)], dim=-1)
-    if world == 1:
-        _capture_check(0, 1, 0, tiny_target, ids, ref, shard)
-    else:
-        torch.multiprocessing.spawn(_capture_check, args=(world, free_port(), tiny_target, ids, ref, shard),
-                                    nprocs=world)
-
+    ref = torch.cat([hs[k + 1] for k in CAPTURED], dim=-1)
+    for rank in ranks:
+        torch.testing.assert_close(rank["got"], ref, atol=1e-5, rtol=1e-5)
+        if shard == "fsdp":  # really sharded: this rank holds only its chunk of each weight
+            local, whole = rank["rows"]
+            assert local < whole
 
 
 def test_target_fp8_captures_within_fp8_rounding(tiny_target):
@@ -191,14 +208,27 @@ def test_fla_short_conv_keeps_the_gated_deltanet_layer(monkeypatch, tiny_target)
     assert fla_short_conv(llama, conv, "cpu") == []
 
 
-def test_torchrun_3_and_4_processes_and_topology_invariance(tiny_target, convs, tmp_path):
+@pytest.fixture(scope="module")
+def colocated_4_micro_batches(tiny_target, convs, tmp_path_factory):
+    """One process, 4 micro-batches a step, 3 steps, the default decay weighting: the reference run of both
+    split-invariance tests (its step-1 loss comes before any update, so max_steps does not change it)."""
+    out = tmp_path_factory.mktemp("w1")
+    p, _ = run_train(tiny_target, convs, out, 1, "--max_steps=3", "--grad_accum=4")
+    return p, out
+
+
+def test_torchrun_3_and_4_processes_and_topology_invariance(tiny_target, convs, tmp_path,
+                                                             colocated_4_micro_batches):
     """Same seed, same global batch (4 sequences per step): world 1 colocated, 2 targets + 1 drafter, and
     2 targets + 2 data-parallel drafters give the same step-1 loss and grad norm."""
     runs = {}
-    for nproc, extra in ((1, ["--grad_accum=4"]), (3, ["--grad_accum=4", "--target_ranks=2", "--drafter_ranks=1"]),
+    for nproc, extra in ((1, None), (3, ["--grad_accum=4", "--target_ranks=2", "--drafter_ranks=1"]),
                          (4, ["--grad_accum=2", "--target_ranks=2", "--drafter_ranks=2"])):
-        out = tmp_path / f"w{nproc}"
-        p, _ = run_train(tiny_target, convs, out, nproc, "--max_steps=3", *extra)
+        if extra is None:  # the colocated run, shared with the D-PACE test
+            p, out = colocated_4_micro_batches
+        else:
+            out = tmp_path / f"w{nproc}"
+            p, _ = run_train(tiny_target, convs, out, nproc, "--max_steps=3", *extra)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         runs[nproc] = metrics(out)
         assert len(runs[nproc]) == 3
@@ -213,19 +243,23 @@ def test_torchrun_3_and_4_processes_and_topology_invariance(tiny_target, convs, 
     assert d.cfg.target_layer_ids == build_target_layer_ids(6, 3) and d.cfg.mask_token_id == 16
 
 
-def test_dpace_normalization_is_split_invariant(tiny_target, convs, tmp_path):
+def test_dpace_normalization_is_split_invariant(tiny_target, convs, tmp_path, colocated_4_micro_batches):
     """--loss_weighting=dpace: its denominator (kept blocks) is summed over micro-batches and drafter ranks, so one
     process with 4 micro-batches and 2 data-parallel drafters with 2 each give the same step-1 loss and grad norm
-    (a rank-local denominator would not), and the loss differs from the decay objective's.
+    (a rank-local denominator would not), and the loss differs from the decay objective's (the same run with
+    decay: the topology test's colocated run).
     The 2 drafters run the plain loss (--loss_impl=plain), the single process the fused one."""
-    runs = {}
+    dpace = ["--max_steps=1", "--loss_weighting=dpace", "--dpace_alpha=0.4"]
     split = ["--grad_accum=2", "--target_ranks=2", "--drafter_ranks=2", "--loss_impl=plain"]
-    for nproc, extra in ((1, ["--grad_accum=4"]), (4, split),
-                         (0, ["--grad_accum=4", "--loss_weighting=decay"])):
-        p, _ = run_train(tiny_target, convs, tmp_path / f"w{nproc}", max(nproc, 1), "--max_steps=1", *extra,
-                         *(["--loss_weighting=dpace", "--dpace_alpha=0.4"] if nproc else []))
+    runs = {}
+    for nproc, extra in ((1, ["--grad_accum=4"]), (4, split), (0, None)):
+        if extra is None:  # the decay objective's run: the topology test's colocated one
+            p, out = colocated_4_micro_batches
+        else:
+            out = tmp_path / f"w{nproc}"
+            p, _ = run_train(tiny_target, convs, out, nproc, *dpace, *extra)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-        runs[nproc] = metrics(tmp_path / f"w{nproc}")[0]
+        runs[nproc] = metrics(out)[0]
     for key in ("loss", "grad_norm", "acc", "tau_est"):
         assert runs[4][key] == pytest.approx(runs[1][key], rel=1e-4, abs=1e-6), key
     assert runs[1]["loss"] != pytest.approx(runs[0]["loss"], rel=1e-3)
@@ -294,10 +328,11 @@ def test_fp8_trains_through_train_py(tiny_target, convs, tmp_path):
     FP8 rounding of the run without them (same seed and data) while differing from them, and its checkpoint is a
     plain released-format drafter. --target_fp8 on top trains on the FP8 target's states: it ends, loss near too."""
     from model import load_drafter
-    runs = {}
-    for name, extra in (("fp8", ["--fp8=tensorwise", "--fp8_head=true"]), ("ref", []),
-                        ("all", ["--fp8=tensorwise", "--fp8_head=true", "--target_fp8=true"])):
-        p, _ = run_train(tiny_target, convs, tmp_path / name, 1, "--max_steps=3", *extra)
+    runs, extras = {}, {"fp8": ["--fp8=tensorwise", "--fp8_head=true"], "ref": [],
+                        "all": ["--fp8=tensorwise", "--fp8_head=true", "--target_fp8=true"]}
+    procs = run_trains(tiny_target, convs, *((tmp_path / name, 1, "--max_steps=3", *extra)
+                                             for name, extra in extras.items()))
+    for name, p in zip(extras, procs):
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         runs[name] = [r["loss"] for r in metrics(tmp_path / name)]
     assert runs["fp8"] != runs["ref"] and runs["fp8"] == pytest.approx(runs["ref"], rel=0.02)
@@ -308,11 +343,11 @@ def test_fp8_trains_through_train_py(tiny_target, convs, tmp_path):
 
 
 def test_resume_is_exact(tiny_target, convs, tmp_path):
-    p, _ = run_train(tiny_target, convs, tmp_path / "a", 1, "--max_steps=6", "--batch_size=2")
+    p, q = run_trains(tiny_target, convs, (tmp_path / "a", 1, "--max_steps=6", "--batch_size=2"),
+                      (tmp_path / "b", 1, "--max_steps=6", "--batch_size=2", "--ckpt_every=3"))
     assert p.returncode == 0, p.stderr[-3000:]
     straight = [r["loss"] for r in metrics(tmp_path / "a")]
-    p, _ = run_train(tiny_target, convs, tmp_path / "b", 1, "--max_steps=6", "--batch_size=2", "--ckpt_every=3")
-    assert p.returncode == 0
+    assert q.returncode == 0
     ck = tmp_path / "b" / "r" / "ckpt-0000003"
     # a second run dir resumed from the step-3 checkpoint of the first
     p, _ = run_train(tiny_target, convs, tmp_path / "c", 1, "--max_steps=6", "--batch_size=2", f"--resume={ck}")
