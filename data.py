@@ -903,7 +903,8 @@ def prepare_demo(cache_dir=None, device="cpu", gguf=None, dtype=None, **settings
     "mask_token_id"}: demo_prompts, then _demo_answers. `settings` override demo_settings' corpus
     ones (None: the default; an unknown name: an error)."""
     s = demo_settings(device)["corpus"]
-    if unknown := sorted(set(settings) - set(s)):
+    given = {k: v for k, v in settings.items() if v is not None}  # the CLI passes None for unset flags
+    if unknown := sorted(set(given) - set(s)):
         raise ValueError(f"unknown demo corpus settings {unknown}; known: {sorted(s)}")
     s.update({k: v for k, v in settings.items() if v is not None})
     if s["samples"] > 0 and not s["sample_temperature"] > 0:
