@@ -500,12 +500,12 @@ SHAPE = [
      ["block_size", "sliding_layers"]),
     ("mask_token", lambda c, t: not _is_id(c.mask_token) or int(c.mask_token) < t.vocab_size,
      "must be < the target vocabulary ({t.vocab_size})"),
-    ("confidence_head", lambda c, t: not c.confidence_head or c.markov_rank > 0,
-     "needs markov_rank > 0 (vLLM and SGLang serve a confidence head only on a DSpark "
-     "drafter, fed the Markov embedding)", ["markov_rank"]),
     # a V x r, r x V head past rank V is no longer low-rank: it only costs memory and time
     ("markov_rank", lambda c, t: 0 <= c.markov_rank <= min(4096, t.vocab_size),
      "must be in [0, min(4096, the target vocabulary {t.vocab_size})] (0: no Markov head)"),
+    ("confidence_head", lambda c, t: not c.confidence_head or c.markov_rank > 0,
+     "needs markov_rank > 0 (vLLM and SGLang serve a confidence head only on a DSpark "
+     "drafter, fed the Markov embedding)", ["markov_rank"]),
     ("init_drafter",
      lambda c, t: not c.init_drafter or all(os.path.isfile(os.path.join(c.init_drafter, f))
                                             for f in ("config.json", "model.safetensors")),
