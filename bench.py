@@ -288,7 +288,7 @@ def breakdown(row, cfg, side, S, iters, ms_step):
         flex_compiled(q, *kv, block_mask=masks[t], enable_gqa=True).sum().backward()
     ms_attn = sum(n * cuda_time(lambda: attention(t), iters) for t, n in types.items())
     out, labels = torch.randn(Q, D, **grad), torch.randint(0, V, (Q,), device="cuda")
-    opts = train.loss_options(cfg, out.device)
+    opts = side.opts
     # train.py's LM head + CE: fused.head_loss, unless loss_impl=plain
     head_loss = opts.head_loss or plain_head_loss
     # the target's final states at the rows, when the loss reads them (kd_loss, confidence head)

@@ -298,8 +298,7 @@ def drafter_loss(cfg, side, batch, hidden_BSC, m):
     final_BSD = hidden_BSC[..., C:] if hidden_BSC.shape[-1] > C else None
     inputs = LossBatch(batch["input_ids"], batch["loss_mask"], hidden_BSC[..., :C], anchors_BN,
                        keep_BN, final_BSD)
-    opts = loss_options(cfg, hidden_BSC.device)
-    return dflash_loss(side.drafter, side.tables, inputs, opts)
+    return dflash_loss(side.drafter, side.tables, inputs, side.opts)
 
 
 @dataclass
@@ -753,6 +752,7 @@ class Drafting:
     tables: Tables  # the target's embedding and LM head, frozen (fp8_head: a fused.Float8Head)
     optim: Optimizer
     source: object  # .get(m) -> (batch, hidden states, target seconds): Colocated or Receiver
+    opts: LossOptions  # the objective's options (loss_options)
 
 
 def build_drafting(cfg, dcfg, d, source, tables=None, state=None):
@@ -778,7 +778,7 @@ def build_drafting(cfg, dcfg, d, source, tables=None, state=None):
         if d.leader:
             print("compiling the drafter layers and flex attention: the first steps (two lengths) "
                   "take longer", flush=True)
-    return Drafting(drafter, Tables(embed, head), optim, source)
+    return Drafting(drafter, Tables(embed, head), optim, source, loss_options(cfg, d.device))
 
 
 def load_data(cfg, d, tokenizer, mask_id):
