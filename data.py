@@ -30,7 +30,7 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 from attention import NO_CUDNN
-from target import (convert_gguf, default_cache_dir, default_dtype, load_for_generation,
+from target import (choose_dtype, convert_gguf, default_cache_dir, load_for_generation,
                     load_tokenizer, smollm2_gguf)
 
 # ShareGPT speaker names -> OpenAI roles; anything else is an error, never a guess. ShareGPT V3
@@ -685,7 +685,7 @@ def regenerate_file(model_path, in_path, out_path, opts, device="cpu", procs=Non
         print(f"{out_path} exists, skipping regeneration")
     else:
         world = procs or (max(1, torch.cuda.device_count()) if device == "cuda" else 1)
-        dtype, why = (getattr(torch, dtype), "--dtype") if dtype else default_dtype(device)
+        dtype, why = choose_dtype(dtype, device)
         print(f"regenerating {in_path} in {str(dtype).removeprefix('torch.')} ({why})", flush=True)
         args = (world, (model_path, in_path, out_path), device, dtype, opts)
         spawn_workers(_regen_worker, world, args)
@@ -906,7 +906,7 @@ def prepare_demo(cache_dir=None, device="cpu", gguf=None, dtype=None, **settings
     given = {k: v for k, v in settings.items() if v is not None}  # the CLI passes None for unset flags
     if unknown := sorted(set(given) - set(s)):
         raise ValueError(f"unknown demo corpus settings {unknown}; known: {sorted(s)}")
-    s.update({k: v for k, v in settings.items() if v is not None})
+    s.update(given)
     if s["samples"] > 0 and not s["sample_temperature"] > 0:
         raise ValueError(f"sample_temperature={s['sample_temperature']}: sampled answers need a "
                          "temperature > 0 (the greedy answers are already in the corpus)")

@@ -27,7 +27,7 @@ import data
 from attention import NO_CUDNN
 from checkpoint import list_ckpts
 from model import load_drafter
-from target import convert_gguf, default_dtype, features, load_for_generation, load_tokenizer
+from target import choose_dtype, convert_gguf, features, load_for_generation, load_tokenizer
 
 TIME_KEYS = ("prefill", "draft", "verify", "other", "plain_prefill", "plain_step")
 
@@ -798,7 +798,7 @@ def main(argv=None):
     sets = bench_sets(a.bench, a.limit) if a.bench else None  # read and checked before any model
     prompts = None if sets else read_prompts(a.data, a.limit)
     keys = data.training_prompt_keys(a.train_data) if a.train_data else None
-    dtype, why = (getattr(torch, a.dtype), "--dtype") if a.dtype else default_dtype(a.device)
+    dtype, why = choose_dtype(a.dtype, a.device)
     print(f"dtype: {str(dtype).removeprefix('torch.')} ({why})", flush=True)
     opts = EvalOptions(a.max_new_tokens, a.temperature, a.block_size, a.check_lossless, seed=a.seed)
     models = Models(a.target, None, a.device, dtype)

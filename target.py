@@ -308,6 +308,11 @@ def default_dtype(device):
                            f"(emulated, many times slower than fp32)")
 
 
+def choose_dtype(name, device):
+    """-> (dtype, why): the dtype a --dtype flag names, else default_dtype(device)'s."""
+    return (getattr(torch, name), "--dtype") if name else default_dtype(device)
+
+
 def load_for_generation(path, device="cpu", dtype=None):
     """The whole HF model for generation (eval.py, data.py's regeneration) -> (model, tokenizer),
     from a folder or a .gguf (converted first); a from_pretrained dtype keeps inv_freq fp32.
