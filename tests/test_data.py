@@ -752,7 +752,9 @@ def test_prepare_demo_cached(tmp_path, target_dir, sharegpt_pools, capsys):
     assert len(out["sharegpt_eval"].read_text().splitlines()) == n
     mtime = out["train"].stat().st_mtime_ns
     capsys.readouterr()
-    assert data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8) == out
+    # as `python data.py demo` calls it: unset flags come as None, a GPU-only one (procs_per_gpu) too
+    again = data.prepare_demo(tmp_path, n_train=2, n_eval=3, max_new_tokens=8, procs_per_gpu=None)
+    assert again == out
     assert "exists, skipping" in capsys.readouterr().out and out["train"].stat().st_mtime_ns == mtime
 
 
