@@ -132,6 +132,15 @@ def drafting(cfg, dcfg, capture, tables=None):
     return train.build_drafting(cfg, dcfg, setup_dist(cfg, torchrun_env()), source, tables)
 
 
+def optimizer_bytes(optim):
+    """Bytes train.Optimizer holds beyond the drafter's own weights and gradients: fp32 masters
+    (when the weights are not fp32), the flat gradient, AdamW's state once it has stepped."""
+    own = {id(p) for p in optim.params}
+    state = [t for s in optim.opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    held = [m for m in optim.masters if id(m) not in own] + [optim.flat] + state
+    return sum(t.numel() * t.element_size() for t in held)
+
+
 def micro_steps(cfg, side, lengths):
     """train.py's micro-batches (train.accumulate: forward, loss, backward, statistics) at these
     lengths -> their statistics."""
@@ -242,7 +251,11 @@ def bench_drafter(args):
         row(f"S={S}: forward + loss", f"{ms_fwd:.1f} ms")
         row(f"S={S}: forward + backward + loss", f"{ms:.1f} ms",
             f"{fl / 1e12:.1f} TFLOP: {mfu(fl, ms, ceiling)}")
-        row(f"S={S}: peak memory", f"{torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB")
+        peak, held = torch.cuda.max_memory_allocated() / GiB, optimizer_bytes(side.optim) / GiB
+        moments = 8 * sum(p.numel() for p in side.drafter.parameters()) / GiB
+        row(f"S={S}: peak memory", f"{peak:.1f} GiB", f"the step alone {peak - held:.1f} GiB + "
+            f"{held:.1f} GiB held by the optimizer (fp32 masters, flat gradient); AdamW's moments "
+            f"add {moments:.1f} GiB from the first optimizer step on")
     S = seqs[0]
     ms_opt = cuda_time(lambda: side.optim.step(cfg.lr, 1.0), 10)
     row("optimizer step (train.Optimizer: flat fp32 gradient, norm, clip, fused AdamW, copy back)",

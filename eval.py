@@ -11,6 +11,7 @@ import argparse
 import copy
 import functools
 import gzip
+import hashlib
 import importlib.util
 import inspect
 import json
@@ -79,15 +80,8 @@ def draft(drafter, target, block_1K, new_hidden_1TC, cache, start, how):
     x_1KD = F.embedding(block_1K, target.get_input_embeddings().weight)  # raw rows, exactly as dflash_loss embeds
     h_1KD, cache = drafter.forward_cached(x_1KD, new_hidden_1TC, cache, start)
     logits = target.get_output_embeddings()(h_1KD[:, 1:])  # offset 0 is the clean anchor: its output is unused
-    if not drafter.cfg.markov_rank:
-        return pick(logits, how), cache, None
-    toks = [block_1K[:, 0]]  # a Markov head: left to right, each drafted token the next one's previous
-    for k in range(logits.shape[1]):
-        toks.append(pick(logits[:, k] + drafter.markov_head(toks[-1]).to(logits.dtype), how))
-    conf = None
-    if drafter.cfg.confidence_head:  # on [h ; markov_w1[previous drafted token]], as engines do
-        conf = torch.sigmoid(drafter.confidence_logits(h_1KD[0, 1:], torch.cat(toks[:-1])))
-    return torch.stack(toks[1:], 1), cache, conf
+    toks, conf = drafter.draft_tokens(logits, h_1KD[:, 1:], block_1K[:, 0], lambda x: pick(x, how))
+    return toks, cache, conf
 
 
 def _clock(dev, times=None, key=None, t0=0.0):
@@ -234,7 +228,7 @@ def evaluate(target, tokenizer, drafter, prompts, opts=EvalOptions(), indices=No
         c["spec_s"] += _clock(dev) - t0
         c["new_tokens"] += len(out)
         c["per_prompt"].append(dict(
-            prompt_tokens=len(p), new_tokens=len(out), cycles=len(lengths),
+            prompt_tokens=len(p), prompt_sha=prompt_sha(p), new_tokens=len(out), cycles=len(lengths),
             tau=sum(lengths) / max(len(lengths), 1), lengths=lengths, committed=committed,
             tau_committed=sum(committed) / max(sum(n > 0 for n in committed), 1),
             output_ids=out,  # the history of a later turn (--bench mt-bench); runs compared
@@ -667,6 +661,55 @@ def macro_figures(results, resamples=2000):
     return dict(mean, sets=len(results), tau_ci95=ci95(boot), resamples=resamples)
 
 
+def prompt_sha(ids):
+    """A prompt's identity in eval.json (its token ids' sha256, 16 hex digits): --compare pairs by it."""
+    return hashlib.sha256(json.dumps([int(t) for t in ids]).encode()).hexdigest()[:16]
+
+
+def compare(base_path, new_path, resamples=5000):
+    """Two eval.json of the same prompts (eval.py --compare BASE NEW) -> per set and for the macro
+    mean: tau of each, the paired difference NEW - BASE and the relative gain, each with a 95%
+    interval from resampling the prompts (the same draw for both runs; every set on its own for
+    the macro mean; seeded), and the prompts each run is ahead on."""
+    runs = []
+    for path in (base_path, new_path):
+        with open(path) as f:
+            res = json.load(f)
+        runs.append(res["sets"] if "sets" in res else {"prompts": res})
+    (a, b), gen = runs, torch.Generator().manual_seed(0)
+    if a.keys() != b.keys():
+        raise SystemExit(f"--compare: {base_path} has sets {sorted(a)}, {new_path} {sorted(b)}")
+    out, draws = {}, {}
+    for name in a:
+        pa, pb = a[name]["per_prompt"], b[name]["per_prompt"]
+        ka, kb = ([r.get("prompt_sha", r["prompt_tokens"]) for r in p] for p in (pa, pb))
+        if ka != kb:
+            raise SystemExit(f"--compare: set {name!r}: not the same prompts in the same order "
+                             f"({len(pa)} in {base_path}, {len(pb)} in {new_path})")
+        ta, tb = (torch.tensor([r["tau"] for r in p], dtype=torch.float64) for p in (pa, pb))
+        idx = torch.randint(len(ta), (resamples, len(ta)), generator=gen)
+        draws[name] = ta[idx].mean(1), tb[idx].mean(1)
+        out[name] = _paired(ta.mean(), tb.mean(), *draws[name], prompts=len(ta),
+                            ahead=int((tb > ta).sum()), behind=int((tb < ta).sum()))
+    if len(a) > 1:
+        ma, mb = (torch.stack([d[i] for d in draws.values()]).mean(0) for i in (0, 1))
+        out["macro mean"] = _paired(sum(o["base"] for o in out.values()) / len(a),
+                                    sum(o["new"] for o in out.values()) / len(a), ma, mb)
+    for name, o in out.items():
+        print(f"{name:<12} {o['base']:.3f} -> {o['new']:.3f}  {o['diff']:+.3f} "
+              f"[{o['diff_ci95'][0]:+.3f}, {o['diff_ci95'][1]:+.3f}]  {o['gain']:+.1%} "
+              f"[{o['gain_ci95'][0]:+.1%}, {o['gain_ci95'][1]:+.1%}]"
+              + (f"  ahead on {o['ahead']}, behind on {o['behind']} of {o['prompts']}"
+                 if "prompts" in o else ""))
+    return out
+
+
+def _paired(base, new, base_draws, new_draws, **counts):
+    base, new = float(base), float(new)
+    return dict(base=base, new=new, diff=new - base, diff_ci95=ci95(new_draws - base_draws),
+                gain=new / base - 1, gain_ci95=ci95(new_draws / base_draws - 1), **counts)
+
+
 def sets_summary(res):
     """The per-set table, then the macro mean: one line each."""
     f = lambda x, digits=3: "-" if x is None else f"{x:.{digits}f}"
@@ -744,6 +787,8 @@ def _args(argv):
     arg("--no_baseline", dest="check_lossless", action="store_false",
         help="no plain decoding: no speedup, no check")
     arg("--out", help="default: out/eval; with --watch: RUN/eval; with --demo: RUN")
+    arg("--compare", nargs=2, metavar=("BASE", "NEW"), help="two eval.json of the same prompts: "
+        "the paired difference NEW - BASE per set and of the macro mean, with intervals")
     arg("--workers", type=int, default=1, help="processes sharing the device, worker k taking prompts k, k+N, ...")
     a = p.parse_args(argv)
     if run := a.watch or a.demo:  # new defaults, explicit flags still winning: the run's target and training data
@@ -755,6 +800,8 @@ def _args(argv):
     if a.demo:  # and the demo's held-out prompts and eval settings (limit, max_new_tokens, workers)
         p.set_defaults(data=f"{data.default_cache_dir()}/chitchat_eval.jsonl", **data.demo_settings(a.device)["eval"])
     a = p.parse_args(argv)
+    if a.compare:
+        return a
     for bad, message in ((a.data is None and not a.bench, "--data or --bench is required"),
                          (a.target is None, "--target is required"),
                          (a.workers < 1, "--workers must be >= 1"),
@@ -795,6 +842,8 @@ def evaluate_sets(sets, decode, tokenizer, keys=None, seed=0, **template_kwargs)
 
 def main(argv=None):
     a = _args(argv)
+    if a.compare:
+        return compare(*a.compare)
     sets = bench_sets(a.bench, a.limit) if a.bench else None  # read and checked before any model
     prompts = None if sets else read_prompts(a.data, a.limit)
     keys = data.training_prompt_keys(a.train_data) if a.train_data else None

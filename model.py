@@ -210,6 +210,16 @@ class DrafterConfig:
             raise ValueError("confidence_head needs markov_rank > 0: vLLM and SGLang serve a "
                              "confidence head only on a DSpark drafter, fed [h ; markov_w1[prev]]")
 
+    def num_params(self):
+        """The drafter's trainable parameters, from the config alone (the memory plan's, before
+        anything is built): fc, the layers (attention, MLP, norms), the final norm, the heads."""
+        D, F, V, r, L = (self.hidden_size, self.intermediate_size, self.vocab_size,
+                         self.markov_rank, self.num_hidden_layers)
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        layer = D * (2 * q + 2 * kv + 3 * F) + 2 * D + 2 * self.head_dim
+        heads = 2 * V * r + self.confidence_head * (D + r + 1)
+        return len(self.target_layer_ids) * D * D + L * layer + 2 * D + heads
+
     def to_json_dict(self):
         def own(*names):  # these fields as they are
             return {n: getattr(self, n) for n in names}
@@ -395,6 +405,22 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             layer.self_attn.inv_freq = self.inv_freq
         return self
+
+    def draft_tokens(self, logits_BKV, h_BKD, first_B, pick):
+        """A block's drafted tokens from the logits of offsets 1..K-1 [B, K-1, V] and their normed
+        hidden [B, K-1, D] -> (tokens [B, K-1], the confidence head's probabilities [K-1] for
+        batch row 0, None without one). pick(logits [..., V]) chooses. No Markov head: every
+        offset at once; with one, left to right from first (the anchor), each drafted token the
+        next one's previous, as DSpark drafts."""
+        if not self.cfg.markov_rank:
+            return pick(logits_BKV), None
+        toks = [first_B]
+        for k in range(logits_BKV.shape[1]):
+            toks.append(pick(logits_BKV[:, k] + self.markov_head(toks[-1]).to(logits_BKV.dtype)))
+        conf = None
+        if self.cfg.confidence_head:  # on [h ; markov_w1[previous drafted token]], as engines do
+            conf = torch.sigmoid(self.confidence_logits(h_BKD[0], torch.cat(toks[:-1])))
+        return torch.stack(toks[1:], 1), conf
 
     def confidence_logits(self, h_MD, prev_M):
         """The confidence head's logits for drafted rows h (normed, as the LM head reads them)

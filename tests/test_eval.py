@@ -854,6 +854,29 @@ def test_macro_interval_resamples_each_set_on_its_own():
     assert m["tau_ci95"] == pytest.approx([(lo + 10) / 2, (hi + 10) / 2]) and lo < 7 / 3 < hi
 
 
+def test_compare_pairs_runs_prompt_by_prompt(tmp_path):
+    """--compare: the paired difference per set is the mean of per-prompt differences, its
+    interval collapses when every prompt gains the same; the macro gain is the ratio of the sets'
+    mean taus; runs of different prompts are refused, naming the set."""
+    def run(name, a, b, shas="pq"):
+        per = lambda taus, tag: [dict(tau=t, prompt_tokens=3, prompt_sha=f"{tag}{i}")
+                                 for i, t in enumerate(taus)]
+        res = {"sets": {"x": dict(tau=sum(a) / len(a), per_prompt=per(a, shas[0])),
+                        "y": dict(tau=sum(b) / len(b), per_prompt=per(b, shas[1]))}}
+        (path := tmp_path / f"{name}.json").write_text(json.dumps(res))
+        return str(path)
+    base, new = run("base", [1.0, 2.0, 3.0], [2.0, 2.0]), run("new", [1.5, 2.5, 3.5], [4.0, 1.0])
+    out = ev.main(["--compare", base, new])
+    assert out["x"]["diff"] == pytest.approx(0.5) and out["x"]["diff_ci95"] == pytest.approx([.5, .5])
+    assert (out["x"]["ahead"], out["x"]["behind"], out["y"]["ahead"], out["y"]["behind"]) == (3, 0, 1, 1)
+    assert out["y"]["diff"] == pytest.approx(0.5) and out["y"]["diff_ci95"][0] < 0.5
+    assert out["macro mean"]["gain"] == pytest.approx((2.5 + 2.5) / (2.0 + 2.0) - 1)
+    lo, hi = out["macro mean"]["diff_ci95"]
+    assert lo < 0.5 < hi
+    with pytest.raises(SystemExit, match="set 'y': not the same prompts"):
+        ev.main(["--compare", base, run("other", [1.0, 2.0, 3.0], [2.0, 2.0], "pz")])
+
+
 def _bench_files(tmp_path):
     """gsm8k, mt-bench (two turns each) and a conversation file, in the tiny tokenizer's words."""
     w = lambda *ids: " ".join(f"w{i}" for i in ids)

@@ -796,3 +796,14 @@ def test_markov_checkpoint_is_a_dspark_drafter_as_specforge_reads_it(tmp_path, k
         del c[key]
     (tmp_path / "config.json").write_text(json.dumps(c))
     assert same(load_drafter(tmp_path))
+
+
+@pytest.mark.parametrize("rank,confidence,layers", [(0, False, None), (8, False, None),
+                                                    (8, True, ["sliding_attention", "full_attention"])])
+def test_num_params_counts_the_built_drafter(rank, confidence, layers):
+    """The memory plan's parameter count (from the config alone) is the built drafter's."""
+    cfg = DrafterConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, vocab_size=50, target_layer_ids=[0, 2, 3],
+                        markov_rank=rank, confidence_head=confidence, layer_types=layers,
+                        sliding_window=4 if layers else None)
+    assert cfg.num_params() == sum(p.numel() for p in DFlashDrafter(cfg).parameters())

@@ -83,6 +83,22 @@ def test_lr_schedule():
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
 
 
+def test_bench_counts_what_the_optimizer_holds():
+    """bench.py's memory row splits the peak: the optimizer's fp32 masters and flat gradient (4 + 4
+    bytes a parameter of a bf16 drafter) before the first step, AdamW's two moments (8 more) after."""
+    from bench import optimizer_bytes
+    from ranks import Dist
+    model = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    d = Dist(0, 1, torch.device("cpu"), [0], [0], 1, None, None, None)
+    optim = train.Optimizer(train.Config(), model, d)
+    n = sum(p.numel() for p in model.parameters())
+    assert optimizer_bytes(optim) == 8 * n
+    model(torch.ones(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+    optim.step(1e-3, 1.0)
+    steps = sum(torch.is_tensor(s.get("step")) for s in optim.opt.state.values())
+    assert optimizer_bytes(optim) == 16 * n + 4 * steps  # + AdamW's step counters (fp32 scalars)
+
+
 def test_schedule_is_lazy_up_to_the_largest_max_steps():
     """The per-rank schedule is a generator: max_steps at its limit costs no memory up front (a list would not fit)."""
     from types import SimpleNamespace
