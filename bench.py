@@ -616,7 +616,8 @@ def bench_regen(args):
     and including eos) over the slowest process's time. Default: the demo's target and its train
     prompts (made here if need be, without network: the GGUF is converted locally)."""
     import tempfile
-    from data import default_cache_dir, demo_prompts, read_conversations, spawn_workers
+    from data import (default_cache_dir, demo_prompts, demo_settings, read_conversations,
+                      spawn_workers)
     from target import convert_gguf, smollm2_gguf
     cache = default_cache_dir()
     given = dict(f[2:].split("=", 1) for f in args.fields)  # --target=, --data=: train.py's fields
