@@ -842,8 +842,11 @@ def evaluate_sets(sets, decode, tokenizer, keys=None, seed=0, **template_kwargs)
 
 def main(argv=None):
     a = _args(argv)
-    if a.compare:
-        return compare(*a.compare)
+    return compare(*a.compare) if a.compare else evaluate_cli(a)
+
+
+def evaluate_cli(a):
+    """eval.py's command line `a` (not --compare) -> the results, written and printed."""
     sets = bench_sets(a.bench, a.limit) if a.bench else None  # read and checked before any model
     prompts = None if sets else read_prompts(a.data, a.limit)
     keys = data.training_prompt_keys(a.train_data) if a.train_data else None

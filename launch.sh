@@ -2,7 +2,7 @@
 # The one command:  bash launch.sh [--field=value ...]   (the arguments go to train.py)
 #                   bash launch.sh test [pytest args]   (the CPU test suite, in the same environment)
 #   8+ GPUs, or NNODES > 1: the real recipe (train.py's Config: 5 target + 3 drafter ranks a node); add --target= --data=
-#   1-7 GPUs, or none: the demo (SmolLM2-135M, chitchat + ShareGPT; data.demo_settings): its corpus,
+#   1-7 GPUs, or none: the demo (SmolLM2-135M, chitchat; data.demo_settings): its corpus,
 #     training, then the held-out tau of the trained drafter next to the untrained one's (eval.py --demo)
 # Environment, all optional: DFLASH_OUT (out), DFLASH_RUN (demo-<time>), DFLASH_PYTHON (default: .venv, made here),
 #   DFLASH_NGPU (all visible). Several nodes, the same command on each:
