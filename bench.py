@@ -609,11 +609,11 @@ def _regen_worker(rank, world, args, prompts, out, barrier):
 
 
 def bench_regen(args):
-    """Regeneration as data.py runs it (data._generate: length-sorted sub-batches, left-padded) of
-    the same --n prompts with each KV cache of --caches: dynamic (the before) and static
-    (transformers compiles the target's forward on a GPU: CUDA graphs), in --procs processes sharing
-    the GPU(s), each a shard, each cache twice (pass 1 compiles). Generated tokens (answers up to
-    and including eos) over the slowest process's time. Default: the demo's target and its train
+    """Regeneration as data.py runs it (data._generate) of the same --n prompts by each method of
+    --caches: the dynamic KV cache (the before), the static one (transformers compiles the target's
+    forward on a GPU: CUDA graphs), transformers' continuous batching (generate_batch); in --procs
+    processes sharing the GPU(s), each a shard, each method twice (pass 1 compiles). Generated
+    tokens (answers up to and including eos) over the slowest process's time. Default: the demo's target and its train
     prompts (made here if need be, without network: the GGUF is converted locally)."""
     import tempfile
     from data import (default_cache_dir, demo_prompts, demo_settings, read_conversations,
@@ -641,9 +641,9 @@ def bench_regen(args):
         row(f"{key[0]} cache, pass {key[1]}: generated tok/s, {args.procs} processes",
             f"{tokens / secs:.0f}", f"{tokens} tokens in {secs:.1f} s, {cut} answers at "
             f"{args.new_tokens} tokens, {graphs} compiled graphs per process")
-    if ("dynamic", 2) in rate and ("static", 2) in rate:
-        same = sum(a == b for a, b in zip(answers["static"], answers["dynamic"]))
-        row("static / dynamic, pass 2", f"{rate['static', 2] / rate['dynamic', 2]:.2f}x",
+    for other in [c for c, rep in rate if rep == 2 and c != "dynamic" and ("dynamic", 2) in rate]:
+        same = sum(a == b for a, b in zip(answers[other], answers["dynamic"]))
+        row(f"{other} / dynamic, pass 2", f"{rate[other, 2] / rate['dynamic', 2]:.2f}x",
             f"{same} of {len(prompts)} answers identical"
             + " (greedy: equal but where rounding flips a near-tie)" * (args.temperature == 0))
 
@@ -751,7 +751,7 @@ def main(argv=None):
             ("--convs", 32, "fp8states: conversations"),
             ("--n", 2048, "regen: prompts"),
             ("--procs", 2, "regen: processes (on all GPUs)"),
-            ("--caches", "dynamic,static", "regen: KV caches, in order"),
+            ("--caches", "dynamic,static,continuous", "regen: data._generate's caches, in order"),
             ("--temperature", 0.0, "regen: 0 = greedy")):
         # a str or an int, as its default
         ap.add_argument(flag, type=type(default), default=default, help=help)

@@ -494,34 +494,59 @@ def _sub_batches(lengths, max_new_tokens, cache):
 def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs, temperature=0.0,
               cache="dynamic"):
     """Greedy (or plain-softmax sampled) answers, cut before eos or any other control token ->
-    (answers, #tokens, #unfinished, #prompts + max_new_tokens past the context), in _sub_batches,
-    left-padded. cache "static": transformers' static KV cache, whose forward transformers compiles
-    on a GPU (torch.compile, CUDA graphs: a 135M target's step is otherwise Python and kernel
-    launches); "dynamic": its default cache, eager."""
+    (answers, #tokens, #unfinished, #prompts + max_new_tokens past the context). cache "dynamic":
+    transformers' default cache, eager, in _sub_batches, left-padded; "static": its static KV cache,
+    whose forward transformers compiles on a GPU (torch.compile, CUDA graphs); "continuous": its
+    continuous batching (generate_batch: a paged cache, a finished answer's place taken by the
+    next prompt at once; sampled draws are not reproducible record by record there)."""
     texts = [_render(tokenizer, p, True, template_kwargs) for p in prompts]
-    lengths = [len(x) for x in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     context = getattr(model.config, "max_position_embeddings", None) or float("inf")
-    # a control token is never answer text (reading refuses it in content): an answer ends there
-    stop = {tokenizer.eos_token_id, *tokenizer.all_special_ids, *tokenizer.added_tokens_decoder}
     sample = (dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0
               else dict(do_sample=False))
-    answers, n_tokens, unfinished = [None] * len(texts), 0, 0
-    for g, P, rows in _sub_batches(lengths, max_new_tokens, cache):
-        batch = [texts[i] for i in g] + [texts[g[0]]] * (rows - len(g))  # repeats fill the rows
+    ends = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    how = dict(sample, **ends)
+    rows = (_generate_continuous(model, ids, max_new_tokens, how) if cache == "continuous"
+            else _generate_padded(model, tokenizer, texts, ids, max_new_tokens, how, cache))
+    # a control token is never answer text (reading refuses it in content): an answer ends there
+    stop = {tokenizer.eos_token_id, *tokenizer.all_special_ids, *tokenizer.added_tokens_decoder}
+    answers, n_tokens, unfinished = [], 0, 0
+    for row in rows:
+        n = next((k for k, t in enumerate(row) if t in stop), len(row))
+        unfinished += n == max_new_tokens
+        n_tokens += min(n + 1, len(row))
+        answers.append(tokenizer.decode(row[:n], skip_special_tokens=False,
+                                        clean_up_tokenization_spaces=False))
+    return answers, n_tokens, unfinished, sum(len(x) + max_new_tokens > context for x in ids)
+
+
+def _generate_padded(model, tokenizer, texts, ids, max_new_tokens, how, cache):
+    """The generated token ids of every prompt, in order, by `generate` over _sub_batches,
+    left-padded (a finished answer's row runs on, padded, until its sub-batch ends)."""
+    rows = [None] * len(texts)
+    for g, P, n in _sub_batches([len(x) for x in ids], max_new_tokens, cache):
+        batch = [texts[i] for i in g] + [texts[g[0]]] * (n - len(g))  # repeats fill the rows
         enc = tokenizer(batch, add_special_tokens=False, padding="max_length" if P else True,
                         max_length=P, padding_side="left", return_tensors="pt").to(model.device)
         with sdpa_kernel(NO_CUDNN):  # the key length grows every step: cuDNN would plan anew each
-            out = model.generate(**enc, **sample, max_new_tokens=max_new_tokens,
-                                 eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id,
+            out = model.generate(**enc, **how, max_new_tokens=max_new_tokens,
                                  **(dict(cache_implementation="static") if P else {}))
-        new = out[:, enc["input_ids"].shape[1]:].tolist()
-        for i, row in zip(g, new):  # the repeats' answers are dropped
-            n = next((k for k, t in enumerate(row) if t in stop), len(row))
-            unfinished, n_tokens = unfinished + (n == len(row)), n_tokens + min(n + 1, len(row))
-            answers[i] = tokenizer.decode(row[:n], skip_special_tokens=False,
-                                          clean_up_tokenization_spaces=False)
-    return answers, n_tokens, unfinished, sum(n + max_new_tokens > context for n in lengths)
+        for i, row in zip(g, out[:, enc["input_ids"].shape[1]:].tolist()):  # repeats dropped
+            rows[i] = row
+    return rows
+
+
+def _generate_continuous(model, ids, max_new_tokens, how):
+    """The generated token ids of every prompt (token ids), in order, by transformers' continuous
+    batching; a request it lost or failed raises, naming how many."""
+    from transformers import GenerationConfig
+    out = model.generate_batch(ids, generation_config=GenerationConfig(
+        max_new_tokens=max_new_tokens, **how), progress_bar=False)
+    failed = [k for k, r in out.items() if r.error is not None]
+    if len(out) != len(ids) or failed:
+        raise RuntimeError(f"continuous batching: {len(ids) - len(out)} of {len(ids)} answers "
+                           f"missing, {len(failed)} failed ({failed[:3]})")
+    return [r.generated_tokens for r in out.values()]
 
 
 @dataclass(frozen=True)
@@ -533,7 +558,7 @@ class RegenOptions:
     seed: int = 0  # with temperature: the batch seeds start here
     skip_invalid: bool = False  # skip (and count) broken records instead of stopping at the first
     template_kwargs: dict = field(default_factory=dict)  # the chat template's, e.g. enable_thinking
-    cache: str = "dynamic"  # _generate's KV cache: dynamic | static (compiled on a GPU)
+    cache: str = "dynamic"  # _generate's: dynamic | static (compiled on a GPU) | continuous
 
 
 def _regenerated(raw, conv):
@@ -932,8 +957,7 @@ def prepare_demo(cache_dir=None, device="cpu", gguf=None, dtype=None, **settings
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="build the demo corpus: SmolLM2, chitchat + ShareGPT (cached); "
-                       "settings: demo_settings")
+    d = sub.add_parser("demo", help="the demo corpus (cached): SmolLM2, chitchat (+ ShareGPT)")
     r = sub.add_parser("regenerate", help="rewrite assistant turns with the target's greedy answers")
     t = sub.add_parser("tokenize", help="tokenize + cache a dataset, print timing")
     c = sub.add_parser("from_completions", help="an inference engine's answers -> conversations")
@@ -953,13 +977,13 @@ def main(argv=None):
     d.add_argument("--n_sharegpt_eval", type=int)
     d.add_argument("--max_prompt_tokens", type=int, help="longest ShareGPT prompt, target tokens")
     d.add_argument("--procs_per_gpu", type=int)
-    d.add_argument("--cache", choices=["static", "dynamic"], help="regeneration's KV cache")
     r.add_argument("--model", required=True, help="converted HF folder or a .gguf")
     r.add_argument("--procs", type=int, help="worker processes (default: all visible GPUs with cuda)")
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = sampled (plain softmax)")
     r.add_argument("--seed", type=int, default=0, help="with --temperature: batch seeds start here")
-    r.add_argument("--cache", choices=["static", "dynamic"], help="KV cache (default: dynamic; static: "
-                   "transformers compiles it on a GPU, 0.70x as fast on an H200 at 135M)")
+    for q in (d, r):
+        q.add_argument("--cache", choices=["dynamic", "static", "continuous"], help="generation: "
+                       "dynamic (default) | static (compiled on a GPU) | continuous (batching)")
     r.add_argument("--out", required=True)
     t.add_argument("--model", required=True, help="folder holding the target's tokenizer and config")
     t.add_argument("--max_length", type=int, default=4096)

@@ -925,18 +925,18 @@ def test_sub_batches_static_shapes(monkeypatch):
         [[0, 8, 9, 10, 11, 12, 6, 7, 5, 2, 1], None, 0], [[3], None, 0], [[4], None, 0]]
 
 
-def test_generate_static_cache_equals_dynamic(tiny, monkeypatch):
-    """The static KV cache (compiled by transformers on a GPU) gives the dynamic cache's greedy
-    tokens, across three padded lengths, rows filled with repeats, and a prompt long enough to go
-    dynamic."""
+def test_generate_static_cache_and_continuous_batching_equal_dynamic(tiny, monkeypatch):
+    """The static KV cache (compiled by transformers on a GPU) and transformers' continuous batching
+    give the dynamic cache's greedy tokens, across three padded lengths, rows filled with repeats,
+    and a prompt long enough to go dynamic."""
     model, tok = tiny
     monkeypatch.setattr(data, "GENERATE_BATCH_TOKENS", 1200)
     monkeypatch.setattr(data, "STATIC_MAX_PROMPT", 256)
     sizes = (1, 40, 3, 90, 7, 150, 45, 2, 300)
     prompts = [[{"role": "user", "content": "word " * k}] for k in sizes]
-    static, dynamic = (data._generate(model, tok, prompts, 12, {}, cache=c)
-                       for c in ("static", "dynamic"))
-    assert static == dynamic and len(set(static[0])) == len(prompts)
+    static, dynamic, continuous = (data._generate(model, tok, prompts, 12, {}, cache=c)
+                                   for c in ("static", "dynamic", "continuous"))
+    assert static == dynamic == continuous and len(set(static[0])) == len(prompts)
     assert static[1] == 12 * len(prompts)  # never eos: every answer 12 tokens
     lengths = [len(tok(data._render(tok, p, True, {}))["input_ids"]) for p in prompts]
     assert {P for _, P, _ in data._sub_batches(lengths, 12, "static")} == {64, 128, 256, None}
