@@ -590,7 +590,9 @@ def _regen_worker(rank, world, args, prompts, out, barrier):
     """bench_regen's process `rank`: its shard of the prompts through data._generate with each
     cache, twice, every process starting each pass together; the figures (and the answers) to
     out/<rank>.json."""
+    import data
     from data import _generate
+    data.GENERATE_BATCH_TOKENS = args.batch_tokens or data.GENERATE_BATCH_TOKENS  # padded paths
     dev = f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
     model, tok = load_for_generation(args.target, dev)
     mine, res = prompts[rank::world], []
@@ -752,7 +754,8 @@ def main(argv=None):
             ("--n", 2048, "regen: prompts"),
             ("--procs", 2, "regen: processes (on all GPUs)"),
             ("--caches", "dynamic,static,continuous", "regen: data._generate's caches, in order"),
-            ("--temperature", 0.0, "regen: 0 = greedy")):
+            ("--temperature", 0.0, "regen: 0 = greedy"),
+            ("--batch_tokens", 0, "regen: prompt + answer tokens of one generate call (0: data's)")):
         # a str or an int, as its default
         ap.add_argument(flag, type=type(default), default=default, help=help)
     for flag, help in (("--breakdown", "drafter, target: the time of each part"),
