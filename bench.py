@@ -252,7 +252,7 @@ def bench_drafter(args):
         row(f"S={S}: forward + backward + loss", f"{ms:.1f} ms",
             f"{fl / 1e12:.1f} TFLOP: {mfu(fl, ms, ceiling)}")
         peak, held = torch.cuda.max_memory_allocated() / GiB, optimizer_bytes(side.optim) / GiB
-        moments = 8 * sum(p.numel() for p in side.drafter.parameters()) / GiB
+        moments = 8 * dcfg.num_params() / GiB
         row(f"S={S}: peak memory", f"{peak:.1f} GiB", f"the step alone {peak - held:.1f} GiB + "
             f"{held:.1f} GiB held by the optimizer (fp32 masters, flat gradient); AdamW's moments "
             f"add {moments:.1f} GiB from the first optimizer step on")
@@ -591,7 +591,6 @@ def _regen_worker(rank, world, args, prompts, out, barrier):
     cache, twice, every process starting each pass together; the figures (and the answers) to
     out/<rank>.json."""
     import data
-    from data import _generate
     data.GENERATE_BATCH_TOKENS = args.batch_tokens or data.GENERATE_BATCH_TOKENS  # padded paths
     dev = f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
     model, tok = load_for_generation(args.target, dev)
@@ -601,8 +600,8 @@ def _regen_worker(rank, world, args, prompts, out, barrier):
             torch.manual_seed(rank)
             barrier.wait()  # the processes time the same method at the same time
             t0 = time.perf_counter()
-            answers, tokens, unfinished, _ = _generate(model, tok, mine, args.new_tokens, {},
-                                                       args.temperature, cache)  # synced: .tolist()
+            answers, tokens, unfinished, _ = data._generate(  # synced: .tolist()
+                model, tok, mine, args.new_tokens, {}, args.temperature, cache)
             res.append(dict(cache=cache, rep=rep, tokens=tokens, seconds=time.perf_counter() - t0,
                             unfinished=unfinished, answers=answers,
                             graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"]))
@@ -615,8 +614,9 @@ def bench_regen(args):
     --caches: the dynamic KV cache (the before), the static one (transformers compiles the target's
     forward on a GPU: CUDA graphs), transformers' continuous batching (generate_batch); in --procs
     processes sharing the GPU(s), each a shard, each method twice (pass 1 compiles). Generated
-    tokens (answers up to and including eos) over the slowest process's time. Default: the demo's target and its train
-    prompts (made here if need be, without network: the GGUF is converted locally)."""
+    tokens (answers up to and including eos) over the slowest process's time. Default: the demo's
+    target and its train prompts (made here if need be, without network: the GGUF is converted
+    locally)."""
     import tempfile
     from data import (default_cache_dir, demo_prompts, demo_settings, read_conversations,
                       spawn_workers)
@@ -643,7 +643,8 @@ def bench_regen(args):
         row(f"{key[0]} cache, pass {key[1]}: generated tok/s, {args.procs} processes",
             f"{tokens / secs:.0f}", f"{tokens} tokens in {secs:.1f} s, {cut} answers at "
             f"{args.new_tokens} tokens, {graphs} compiled graphs per process")
-    for other in [c for c, rep in rate if rep == 2 and c != "dynamic" and ("dynamic", 2) in rate]:
+    others = [c for c, rep in rate if rep == 2 and c != "dynamic"] if ("dynamic", 2) in rate else []
+    for other in others:
         same = sum(a == b for a, b in zip(answers[other], answers["dynamic"]))
         row(f"{other} / dynamic, pass 2", f"{rate[other, 2] / rate['dynamic', 2]:.2f}x",
             f"{same} of {len(prompts)} answers identical"
@@ -755,7 +756,7 @@ def main(argv=None):
             ("--procs", 2, "regen: processes (on all GPUs)"),
             ("--caches", "dynamic,static,continuous", "regen: data._generate's caches, in order"),
             ("--temperature", 0.0, "regen: 0 = greedy"),
-            ("--batch_tokens", 0, "regen: prompt + answer tokens of one generate call (0: data's)")):
+            ("--batch_tokens", 0, "regen: prompt + answer tokens per generate call (0: data's)")):
         # a str or an int, as its default
         ap.add_argument(flag, type=type(default), default=default, help=help)
     for flag, help in (("--breakdown", "drafter, target: the time of each part"),
