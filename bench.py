@@ -587,26 +587,35 @@ def bench_decode(args):
 
 
 def _regen_worker(rank, world, args, prompts, out, barrier):
-    """bench_regen's process `rank`: its shard of the prompts through data._generate with each
-    cache, twice, every process starting each pass together; the figures (and the answers) to
+    """bench_regen's process `rank`: its shard of the prompts through data._generate by each
+    method, twice, every process starting each pass together; the figures (and the answers) to
     out/<rank>.json."""
     import data
-    data.GENERATE_BATCH_TOKENS = args.batch_tokens or data.GENERATE_BATCH_TOKENS  # padded paths
     dev = f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
     model, tok = load_for_generation(args.target, dev)
     mine, res = prompts[rank::world], []
-    for cache in args.caches.split(","):
+    for cache, batch_tokens in regen_methods(args):
         for rep in (1, 2):  # pass 1 compiles what the static cache compiles
             torch.manual_seed(rank)
             barrier.wait()  # the processes time the same method at the same time
             t0 = time.perf_counter()
             answers, tokens, unfinished, _ = data._generate(  # synced: .tolist()
-                model, tok, mine, args.new_tokens, {}, args.temperature, cache)
+                model, tok, mine, args.new_tokens, {}, args.temperature, cache, batch_tokens)
             res.append(dict(cache=cache, rep=rep, tokens=tokens, seconds=time.perf_counter() - t0,
                             unfinished=unfinished, answers=answers,
                             graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"]))
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
         json.dump(res, f)
+
+
+def regen_methods(args):
+    """--caches x --batch_tokens -> [(cache, tokens per generate call)]: the padded caches at each
+    budget, continuous batching once (it plans its own batches)."""
+    import data
+    budgets = [int(b) for b in str(args.batch_tokens).split(",") if int(b)] or [
+        data.GENERATE_BATCH_TOKENS]
+    return [(c, b) for c in args.caches.split(",") for b in (budgets[:1] if c == "continuous"
+                                                             else budgets)]
 
 
 def bench_regen(args):
@@ -635,18 +644,19 @@ def bench_regen(args):
         spawn_workers(_regen_worker, args.procs, (args.procs, args, prompts, out, barrier))
         res = [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(args.procs)]
     row, rate, answers = table(f"regen {len(prompts)} prompts of {path}"), {}, {}
+    names = [c if c == "continuous" else f"{c} cache, {b} tokens a call" for c, b in
+             regen_methods(args)]
     for i, first in enumerate(res[0]):
-        runs, key = [r[i] for r in res], (first["cache"], first["rep"])
+        runs, key = [r[i] for r in res], (names[i // 2], first["rep"])
         tokens, secs = sum(r["tokens"] for r in runs), max(r["seconds"] for r in runs)
-        rate[key], answers[first["cache"]] = tokens / secs, [a for r in runs for a in r["answers"]]
+        rate[key], answers[key[0]] = tokens / secs, [a for r in runs for a in r["answers"]]
         cut, graphs = sum(r["unfinished"] for r in runs), max(r["graphs"] for r in runs)
-        row(f"{key[0]} cache, pass {key[1]}: generated tok/s, {args.procs} processes",
+        row(f"{key[0]}, pass {key[1]}: generated tok/s, {args.procs} processes",
             f"{tokens / secs:.0f}", f"{tokens} tokens in {secs:.1f} s, {cut} answers at "
             f"{args.new_tokens} tokens, {graphs} compiled graphs per process")
-    others = [c for c, rep in rate if rep == 2 and c != "dynamic"] if ("dynamic", 2) in rate else []
-    for other in others:
-        same = sum(a == b for a, b in zip(answers[other], answers["dynamic"]))
-        row(f"{other} / dynamic, pass 2", f"{rate[other, 2] / rate['dynamic', 2]:.2f}x",
+    for other in names[1:]:  # each against the first method (the before)
+        same = sum(a == b for a, b in zip(answers[other], answers[names[0]]))
+        row(f"{other} / {names[0]}, pass 2", f"{rate[other, 2] / rate[names[0], 2]:.2f}x",
             f"{same} of {len(prompts)} answers identical"
             + " (greedy: equal but where rounding flips a near-tie)" * (args.temperature == 0))
 
@@ -756,7 +766,8 @@ def main(argv=None):
             ("--procs", 2, "regen: processes (on all GPUs)"),
             ("--caches", "dynamic,static,continuous", "regen: data._generate's caches, in order"),
             ("--temperature", 0.0, "regen: 0 = greedy"),
-            ("--batch_tokens", 0, "regen: prompt + answer tokens per generate call (0: data's)")):
+            ("--batch_tokens", "0", "regen: prompt + answer tokens per generate call of the padded "
+             "caches, a list to sweep (0: data's)")):
         # a str or an int, as its default
         ap.add_argument(flag, type=type(default), default=default, help=help)
     for flag, help in (("--breakdown", "drafter, target: the time of each part"),

@@ -467,9 +467,9 @@ class Batcher:
 
 
 # ----------------------------------------------------------------------------- regeneration
-def _sub_batches(lengths, max_new_tokens, cache):
+def _sub_batches(lengths, max_new_tokens, cache, batch_tokens=GENERATE_BATCH_TOKENS):
     """Prompt indices in sub-batches of similar length, each with its padded prompt length P and
-    its rows; each holds <= GENERATE_BATCH_TOKENS tokens of prompt + answer, so one long prompt
+    its rows; each holds <= batch_tokens tokens of prompt + answer, so one long prompt
     (chitchat has 24k-token ones) never pads a whole batch. cache "dynamic": P and rows are the
     sub-batch's own. "static": P is a power of two from STATIC_MIN_PROMPT and rows a power of two
     (repeats fill the last sub-batch of a length up to the next one), so the compiled forward meets
@@ -479,10 +479,10 @@ def _sub_batches(lengths, max_new_tokens, cache):
         L, last = lengths[i], out[-1] if out else [[], -1, -1]
         if cache == "static" and L <= STATIC_MAX_PROMPT:
             P = max(STATIC_MIN_PROMPT, 1 << (L - 1).bit_length())
-            rows = 1 << (max(1, GENERATE_BATCH_TOKENS // (P + max_new_tokens)).bit_length() - 1)
+            rows = 1 << (max(1, batch_tokens // (P + max_new_tokens)).bit_length() - 1)
             if not (last[1] == P and last[2] == rows and len(last[0]) < rows):
                 out.append([[], P, rows])
-        elif last[2] != 0 or (len(last[0]) + 1) * (L + max_new_tokens) > GENERATE_BATCH_TOKENS:
+        elif last[2] != 0 or (len(last[0]) + 1) * (L + max_new_tokens) > batch_tokens:
             out.append([[], None, 0])  # sorted: the prompt added last is the longest
         out[-1][0].append(i)
     for g in out:  # a part-filled static sub-batch: the next power of two rows, not all of them
@@ -492,13 +492,14 @@ def _sub_batches(lengths, max_new_tokens, cache):
 
 @torch.no_grad()
 def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs, temperature=0.0,
-              cache="dynamic"):
+              cache="dynamic", batch_tokens=GENERATE_BATCH_TOKENS):
     """Greedy (or plain-softmax sampled) answers, cut before eos or any other control token ->
     (answers, #tokens, #unfinished, #prompts + max_new_tokens past the context). cache "dynamic":
     transformers' default cache, eager, in _sub_batches, left-padded; "static": its static KV cache,
     whose forward transformers compiles on a GPU (torch.compile, CUDA graphs); "continuous": its
     continuous batching (generate_batch: a paged cache, a finished answer's place taken by the
-    next prompt at once; sampled draws are not reproducible record by record there)."""
+    next prompt at once; sampled draws are not reproducible record by record there). batch_tokens:
+    the padded paths' prompt + answer tokens of one generate call (_sub_batches)."""
     texts = [_render(tokenizer, p, True, template_kwargs) for p in prompts]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     context = getattr(model.config, "max_position_embeddings", None) or float("inf")
@@ -507,7 +508,8 @@ def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs, temper
     ends = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     how = dict(sample, **ends)
     rows = (_generate_continuous(model, ids, max_new_tokens, how) if cache == "continuous"
-            else _generate_padded(model, tokenizer, texts, ids, max_new_tokens, how, cache))
+            else _generate_padded(model, tokenizer, texts, ids, max_new_tokens, how, cache,
+                                  batch_tokens))
     # a control token is never answer text (reading refuses it in content): an answer ends there
     stop = {tokenizer.eos_token_id, *tokenizer.all_special_ids, *tokenizer.added_tokens_decoder}
     answers, n_tokens, unfinished = [], 0, 0
@@ -520,11 +522,11 @@ def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs, temper
     return answers, n_tokens, unfinished, sum(len(x) + max_new_tokens > context for x in ids)
 
 
-def _generate_padded(model, tokenizer, texts, ids, max_new_tokens, how, cache):
+def _generate_padded(model, tokenizer, texts, ids, max_new_tokens, how, cache, batch_tokens):
     """The generated token ids of every prompt, in order, by `generate` over _sub_batches,
     left-padded (a finished answer's row runs on, padded, until its sub-batch ends)."""
     rows = [None] * len(texts)
-    for g, P, n in _sub_batches([len(x) for x in ids], max_new_tokens, cache):
+    for g, P, n in _sub_batches([len(x) for x in ids], max_new_tokens, cache, batch_tokens):
         batch = [texts[i] for i in g] + [texts[g[0]]] * (n - len(g))  # repeats fill the rows
         enc = tokenizer(batch, add_special_tokens=False, padding="max_length" if P else True,
                         max_length=P, padding_side="left", return_tensors="pt").to(model.device)
@@ -559,6 +561,7 @@ class RegenOptions:
     skip_invalid: bool = False  # skip (and count) broken records instead of stopping at the first
     template_kwargs: dict = field(default_factory=dict)  # the chat template's, e.g. enable_thinking
     cache: str = "dynamic"  # _generate's: dynamic | static (compiled on a GPU) | continuous
+    batch_tokens: int = GENERATE_BATCH_TOKENS  # prompt + answer tokens of one generate call (padded)
 
 
 def _regenerated(raw, conv):
@@ -599,7 +602,7 @@ def regenerate(model, tokenizer, in_path, out_path, opts=RegenOptions(), rank=0,
                 rows, t0 = [(c, t.pop(0)) for c, t in zip(convs, todo) if t], time.perf_counter()
                 answers, n, unfinished, over = _generate(  # synced: .tolist()
                     model, tokenizer, [c[:i] for c, i in rows], opts.max_new_tokens,
-                    opts.template_kwargs, opts.temperature, opts.cache)
+                    opts.template_kwargs, opts.temperature, opts.cache, opts.batch_tokens)
                 stats.update(seconds=time.perf_counter() - t0, tokens=n, unfinished=unfinished,
                              over_context=over)
                 if over:  # kept (the record stays whole), but said: not the model's usual text
@@ -825,7 +828,8 @@ def demo_settings(device, world=1):
             # (ShareGPT's longer prompts and answers would not fit), the ShareGPT held-out ones
             # written all the same. Dynamic cache: nothing compiles it on a CPU
             corpus=dict(prompts, n_train=128, n_eval=32, n_sharegpt_train=0, max_new_tokens=64,
-                        batch_size=32, samples=0, cache="dynamic"),
+                        batch_size=32, samples=0, cache="dynamic",
+                        batch_tokens=GENERATE_BATCH_TOKENS),
             # all but one process hold the target, one trains (launch.sh starts 3: the real recipe's
             # path over gloo). Block 2: on 2 cores the LM head over anchors x block rows is the
             # cost and only offset 1 is accepted this early (block 4 1.18, block 16 1.04). 64
@@ -843,7 +847,8 @@ def demo_settings(device, world=1):
         # beats this corpus on the GPU, paired. Dynamic cache: transformers' static one, compiled,
         # ran 0.70x as fast on an H200 (`python bench.py regen`). batch_size: records per write
         corpus=dict(prompts, n_train=4395, n_eval=256, n_sharegpt_train=0, max_new_tokens=256,
-                    batch_size=2048, samples=2, cache="dynamic", procs_per_gpu=2),
+                    batch_size=2048, samples=2, cache="dynamic", procs_per_gpu=2,
+                    batch_tokens=GENERATE_BATCH_TOKENS),
         # 3,504 steps of 16 on either corpus: the chitchat-only recipe's budget (4.3 epochs of its
         # 13,050 answers, the reference recipe's ~6 minutes on one H200 at our speed). D-PACE
         # weights and a rank-128 Markov head: held-out tau 4.47 where decay with no head gives
@@ -905,7 +910,7 @@ def _demo_answers(target, prompts, out, s, device, dtype=None):
     ones each, at sample_temperature, their ids made distinct -> the file of all (made once)."""
     procs = s["procs_per_gpu"] * max(1, torch.cuda.device_count()) if device == "cuda" else None
     opts = RegenOptions(batch_size=s["batch_size"], max_new_tokens=s["max_new_tokens"],
-                        cache=s["cache"])
+                        cache=s["cache"], batch_tokens=s["batch_tokens"])
     regenerate_file(target, prompts, out, opts, device, procs, dtype)
     if s["samples"] == 0:
         return out
@@ -967,6 +972,8 @@ def main(argv=None):
                        "cuda; on cpu bfloat16 only with native bf16 matmuls, else float32")
         q.add_argument("--batch_size", type=int)
         q.add_argument("--max_new_tokens", type=int)
+        q.add_argument("--batch_tokens", type=int, help="prompt + answer tokens of one generate "
+                       f"call, padding included (default {GENERATE_BATCH_TOKENS})")
     d.add_argument("--cache_dir", help="default: $DFLASH_CACHE or ~/.cache/dflash-trainer")
     d.add_argument("--n_train", type=int)
     d.add_argument("--n_eval", type=int)
@@ -1003,7 +1010,8 @@ def main(argv=None):
     elif a.cmd == "regenerate":
         cache = a.cache or "dynamic"
         opts = RegenOptions(a.batch_size or 16, a.max_new_tokens or 512, a.temperature, a.seed,
-                            a.skip_invalid, a.chat_kwargs, cache)
+                            a.skip_invalid, a.chat_kwargs, cache,
+                            a.batch_tokens or GENERATE_BATCH_TOKENS)
         regenerate_file(a.model, a.data, a.out, opts, a.device, a.procs, a.dtype)
     else:
         tok = load_tokenizer(a.model)

@@ -893,35 +893,48 @@ def test_cli_regenerate_worker_processes(tmp_path, tiny):
     assert not list(tmp_path.glob("o.jsonl.*"))
 
 
-def test_generate_token_budget_keeps_answers_and_order(target, monkeypatch):
-    """Sorting by length and splitting under a padded-token budget changes batches, never answers or their order."""
+def test_generate_token_budget_keeps_answers_and_order(target, tmp_path):
+    """Sorting by length and splitting under a padded-token budget changes batches, never answers
+    or their order; the budget reaches the workers through RegenOptions.batch_tokens."""
     model, tok = target
     prompts = [[{"role": "user", "content": "Tell me a long story about a dragon who learned to cook pasta."}],
                [{"role": "user", "content": "Hi"}],
                [{"role": "user", "content": "What is 2+2?"}]]
-    monkeypatch.setattr(data, "GENERATE_BATCH_TOKENS", 10**9)
-    whole = data._generate(model, tok, prompts, 10, {})
-    monkeypatch.setattr(data, "GENERATE_BATCH_TOKENS", 1)
-    alone = data._generate(model, tok, prompts, 10, {})  # one prompt per sub-batch
+    whole = data._generate(model, tok, prompts, 10, {}, batch_tokens=10**9)
+    alone = data._generate(model, tok, prompts, 10, {}, batch_tokens=1)  # a prompt per sub-batch
     assert whole == alone and len(whole[0]) == 3 and whole[0][1] != whole[0][0]
     assert whole[3] == 0
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"messages": p}) + "\n" for p in prompts))
+    calls = []
+    real = data._generate
+
+    def spy(*a, **k):
+        calls.append(a[-1])  # batch_tokens, passed by position
+        return real(*a, **k)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(data, "_generate", spy)
+        data.regenerate(model, tok, src, tmp_path / "o.jsonl",
+                        data.RegenOptions(max_new_tokens=10, batch_tokens=1))
+    assert calls == [1]
+    outs = [json.loads(x) for x in (tmp_path / "o.jsonl.part0of1").read_text().splitlines()]
+    assert [o["messages"][1]["content"] for o in outs] == whole[0]
 
 
-def test_sub_batches_static_shapes(monkeypatch):
+def test_sub_batches_static_shapes():
     """The static cache's sub-batches: prompts padded to powers of two (>= STATIC_MIN_PROMPT), rows
     the largest power of two under the token budget (a part-filled one: the next power of two,
     repeats filling it later); a prompt past STATIC_MAX_PROMPT goes dynamic. The dynamic cache keeps
     each sub-batch as long as its longest prompt."""
-    monkeypatch.setattr(data, "GENERATE_BATCH_TOKENS", 1000)
     lengths = [10, 70, 65, 200, 3000, 60, 20, 30, 11, 12, 13, 14, 15]
     # 1000 // (64 + 8) -> 8 rows; 1000 // (128 + 8) -> 4
-    assert data._sub_batches(lengths, 8, "static") == [
+    assert data._sub_batches(lengths, 8, "static", 1000) == [
         [[0, 8, 9, 10, 11, 12, 6, 7], 64, 8], [[5], 64, 1], [[2, 1], 128, 2], [[3], 256, 1],
         [[4], None, 0]]
-    five = data._sub_batches(lengths[:9], 8, "static")[0]
+    five = data._sub_batches(lengths[:9], 8, "static", 1000)[0]
     assert five == [[0, 8, 6, 7, 5], 64, 8]  # 3 repeats to come
     # (rows + 1) x (longest + 8) past 1000 opens the next
-    assert data._sub_batches(lengths, 8, "dynamic") == [
+    assert data._sub_batches(lengths, 8, "dynamic", 1000) == [
         [[0, 8, 9, 10, 11, 12, 6, 7, 5, 2, 1], None, 0], [[3], None, 0], [[4], None, 0]]
 
 
@@ -930,16 +943,16 @@ def test_generate_static_cache_and_continuous_batching_equal_dynamic(tiny, monke
     give the dynamic cache's greedy tokens, across three padded lengths, rows filled with repeats,
     and a prompt long enough to go dynamic."""
     model, tok = tiny
-    monkeypatch.setattr(data, "GENERATE_BATCH_TOKENS", 1200)
     monkeypatch.setattr(data, "STATIC_MAX_PROMPT", 256)
     sizes = (1, 40, 3, 90, 7, 150, 45, 2, 300)
     prompts = [[{"role": "user", "content": "word " * k}] for k in sizes]
-    static, dynamic, continuous = (data._generate(model, tok, prompts, 12, {}, cache=c)
+    static, dynamic, continuous = (data._generate(model, tok, prompts, 12, {}, cache=c,
+                                                  batch_tokens=1200)
                                    for c in ("static", "dynamic", "continuous"))
     assert static == dynamic == continuous and len(set(static[0])) == len(prompts)
     assert static[1] == 12 * len(prompts)  # never eos: every answer 12 tokens
     lengths = [len(tok(data._render(tok, p, True, {}))["input_ids"]) for p in prompts]
-    assert {P for _, P, _ in data._sub_batches(lengths, 12, "static")} == {64, 128, 256, None}
+    assert {P for _, P, _ in data._sub_batches(lengths, 12, "static", 1200)} == {64, 128, 256, None}
 
 
 def test_generate_static_cache_samples_at_the_temperature(target_dir):
