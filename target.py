@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from attention import compile_on_first_call
+from attention import compile_on_first_call, grouped_decode_sdpa
 from fused import _rows_fp8
 
 
@@ -313,15 +313,27 @@ def choose_dtype(name, device):
     return (getattr(torch, name), "--dtype") if name else default_dtype(device)
 
 
-def load_for_generation(path, device="cpu", dtype=None):
+GROUPED_SDPA = "sdpa_grouped_decode"  # attention.grouped_decode_sdpa under transformers' registry
+
+
+def load_for_generation(path, device="cpu", dtype=None, attention="sdpa"):
     """The whole HF model for generation (eval.py, data.py's regeneration) -> (model, tokenizer),
     from a folder or a .gguf (converted first); a from_pretrained dtype keeps inv_freq fp32.
-    dtype None: default_dtype(device)."""
-    from transformers import AutoModelForCausalLM
+    dtype None: default_dtype(device). attention: "sdpa" (transformers') | GROUPED_SDPA (the same,
+    but decoding steps of a grouped-query model read the KV cache without copying it: batched
+    regeneration)."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    if attention == GROUPED_SDPA:  # the same masks as SDPA's, our attention function
+        AttentionInterface.register(GROUPED_SDPA, grouped_decode_sdpa)
+        AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+    elif attention != "sdpa":
+        raise ValueError(f"attention={attention!r}: sdpa or {GROUPED_SDPA}")
     if (path := Path(path)).suffix == ".gguf":
         path = convert_gguf(path)
     dtype = dtype or default_dtype(device)[0]
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False,
+                                                 attn_implementation=attention)
     return model.to(device).eval(), load_tokenizer(path)
 
 

@@ -921,11 +921,37 @@ def test_generate_token_budget_keeps_answers_and_order(target, tmp_path):
     assert [o["messages"][1]["content"] for o in outs] == whole[0]
 
 
+def test_grouped_decode_attention_answers_as_sdpa(tiny_target, monkeypatch):
+    """Regeneration's attention (target.GROUPED_SDPA: a decoding step of a grouped-query target
+    attends with the KV cache as it is, the query heads sharing a key head as its query rows) gives
+    transformers' SDPA answers on a left-padded batch, and its grouped call is the one that ran."""
+    import attention
+    from target import GROUPED_SDPA
+    sdpa, tok = load_for_generation(tiny_target, "cpu", torch.float32)
+    grouped, _ = load_for_generation(tiny_target, "cpu", torch.float32, attention=GROUPED_SDPA)
+    assert data.generation_attention("dynamic") == GROUPED_SDPA
+    prompts = [[{"role": "user", "content": "word " * k}] for k in (2, 5, 3, 6)]  # one sub-batch
+    want = data._generate(sdpa, tok, prompts, 8, {})
+    shapes, real = [], attention.F.scaled_dot_product_attention
+
+    def spy(q, *a, **k):
+        shapes.append(tuple(q.shape))
+        return real(q, *a, **k)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    got = data._generate(grouped, tok, prompts, 8, {})
+    assert got == want and len(set(got[0])) == len(prompts)
+    # tiny_target: 4 query heads, 2 key heads, head_dim 16 -> q [4 rows, 2 groups, 2, 16] a step,
+    # in each of its 6 layers at each of the 7 steps after the prefill's token; none ungrouped
+    assert shapes.count((4, 2, 2, 16)) == 6 * 7 and not [s for s in shapes if s[1:3] == (4, 1)]
+    with pytest.raises(ValueError, match="attention='flash'"):
+        load_for_generation(tiny_target, "cpu", attention="flash")
+
+
 def test_sub_batches_static_shapes():
     """The static cache's sub-batches: prompts padded to powers of two (>= STATIC_MIN_PROMPT), rows
     the largest power of two under the token budget (a part-filled one: the next power of two,
     repeats filling it later); a prompt past STATIC_MAX_PROMPT goes dynamic. The dynamic cache keeps
-    each sub-batch as long as its longest prompt."""
+    each sub-batch as long as its longest prompt, within GENERATE_PAD_RATIO of its shortest."""
     lengths = [10, 70, 65, 200, 3000, 60, 20, 30, 11, 12, 13, 14, 15]
     # 1000 // (64 + 8) -> 8 rows; 1000 // (128 + 8) -> 4
     assert data._sub_batches(lengths, 8, "static", 1000) == [
@@ -933,9 +959,14 @@ def test_sub_batches_static_shapes():
         [[4], None, 0]]
     five = data._sub_batches(lengths[:9], 8, "static", 1000)[0]
     assert five == [[0, 8, 6, 7, 5], 64, 8]  # 3 repeats to come
-    # (rows + 1) x (longest + 8) past 1000 opens the next
+    # dynamic: a row (prompt + 8) past 1.25x the sub-batch's first opens the next: 10 + 8 -> up to
+    # 22.5 (prompts <= 14), 15 + 8 -> 28.75, 30 + 8 -> 47.5, 60 + 8 -> 85, then 200, 3000 alone
     assert data._sub_batches(lengths, 8, "dynamic", 1000) == [
-        [[0, 8, 9, 10, 11, 12, 6, 7, 5, 2, 1], None, 0], [[3], None, 0], [[4], None, 0]]
+        [[0, 8, 9, 10, 11], None, 0], [[12, 6], None, 0], [[7], None, 0], [[5, 2, 1], None, 0],
+        [[3], None, 0], [[4], None, 0]]
+    # and (rows + 1) x (longest + 8) past the budget: 2 x 18 <= 40 < 3 x 18
+    assert data._sub_batches([10] * 5, 8, "dynamic", 40) == [
+        [[0, 1], None, 0], [[2, 3], None, 0], [[4], None, 0]]
 
 
 def test_generate_static_cache_and_continuous_batching_equal_dynamic(tiny, monkeypatch):
