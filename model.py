@@ -584,7 +584,7 @@ class LossOptions:
     # w * CE: a new logit-dependent loss without editing this file (rows: the chunk's Rows). It
     # runs again in the backward (checkpoint), so it must be deterministic.
     extra: Callable | None = None
-    # plain path only: the target's distribution p as a target beside the CE (needs
+    # the target's distribution p as a target beside the CE, either path (needs
     # LossBatch.final_BSD). kd: none | kl = KL(p || q) | l1 = sum_v |q_v - p_v| (= 2 TV, DSpark's
     # L1); per row (1 - kd_weight) CE + kd_weight KD, under the row's weight (decay or D-PACE)
     kd: str = "none"

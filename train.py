@@ -57,8 +57,7 @@ class Config:
     sliding_window: int = 2048  # tokens, for sliding layers
     markov_rank: int = 0  # > 0: DSpark's low-rank Markov head of this rank (model.MarkovHead)
     # DSpark's confidence head (model.ConfidenceHead): per drafted position, the chance the
-    # target accepts it; the engines size verification from it. Needs markov_rank > 0 and
-    # loss_impl=plain
+    # target accepts it; the engines size verification from it. Needs markov_rank > 0
     confidence_head: bool = False
     init_drafter: str = ""  # start from this released-format drafter instead of a random init
     # data
@@ -73,8 +72,7 @@ class Config:
     dpace_alpha: float = 0.5  # dpace's smoothing of the drafter's confidence, (1 - alpha) q + alpha
     loss_chunk: int = 64  # blocks per LM-head+CE chunk (0: a sequence's); logits exist per chunk
     # the target's distribution p (its final state through the LM head) as a target beside the
-    # CE, plain path only: none | kl = KL(p || q) | l1 = sum_v |q_v - p_v| (2x total variation:
-    # DSpark's L1)
+    # CE: none | kl = KL(p || q) | l1 = sum_v |q_v - p_v| (2x total variation: DSpark's L1)
     kd_loss: str = "none"
     # per row (1 - kd_weight) CE + kd_weight KD; 0.9 with l1 is DSpark's CE 0.1 + L1 0.9
     kd_weight: float = 0.9
@@ -545,10 +543,6 @@ RULES = SHAPE + [
     ("kd_loss", lambda c, t: c.kd_loss in ("none", "kl", "l1"), "must be none, kl or l1"),
     *_each(["kd_weight"], lambda x: 0 <= x <= 1, "must be in [0, 1]"),
     *_each(["confidence_weight"], lambda x: 0 <= x < INF, "must be >= 0 and finite"),
-    # fused.HeadCE computes the CE (and the Markov head's) only: these live in model.chunk_loss
-    *[(f, lambda c, t, f=f: getattr(c, f) in ("none", False) or c.loss_impl == "plain",
-       "needs loss_impl=plain (the fused loss computes the CE only)", ["loss_impl"])
-      for f in ("kd_loss", "confidence_head")],
     *_each(["dpace_alpha"], lambda x: 0 < x <= 1, "must be in (0, 1]"),
     ("target_shard", lambda c, t: c.target_shard in ("fsdp", "replicate"),
      "must be fsdp or replicate"),
@@ -655,9 +649,6 @@ def validate(cfg, world, target_config, tokenizer, local_world=None, device_gib=
                             f"[0, {tc.num_hidden_layers})")
             if dcfg.hidden_size != tc.hidden_size or dcfg.vocab_size != tc.vocab_size:
                 errs.append("drafter hidden_size/vocab_size differ from the target's")
-            if cfg.init_drafter and dcfg.confidence_head and cfg.loss_impl != "plain":
-                errs.append(f"init_drafter: {cfg.init_drafter} has a confidence head, which needs "
-                            f"loss_impl=plain (the fused loss computes the CE only)")
             if not errs:
                 errs += memory_check(cfg, dcfg, target_config, world, device_gib)[1]
     if errs:

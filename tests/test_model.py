@@ -703,10 +703,47 @@ def test_kd_loss_and_gradients_match_the_formula(kd, weighting):
     assert abs(r0["loss_sum"].item() - r["loss_sum"].item()) > 1e-2
     for key in ("weight_sum", "correct_K", "count_K", "tau_sum"):
         assert torch.equal(r0[key], r[key]), key
-    with pytest.raises(ValueError, match="kd"):
-        dflash_loss(drafter, tables, batch, dataclasses.replace(opts, head_loss=fused.head_loss))
-    with pytest.raises(ValueError, match="final hidden states"):
-        dflash_loss(drafter, tables, batch._replace(final_BSD=None), opts)
+    for impl in (None, fused.head_loss):
+        with pytest.raises(ValueError, match="final hidden states"):
+            dflash_loss(drafter, tables, batch._replace(final_BSD=None),
+                        dataclasses.replace(opts, head_loss=impl))
+
+
+@pytest.mark.parametrize("case", ["kl-decay", "l1-dpace", "l1-conf-dpace", "none-conf",
+                                  "l1-conf-fp8"])
+def test_fused_target_terms_equal_plain(case):
+    """fused.head_loss with the target-distribution term and the confidence head (HeadCE over
+    _kd_chunk: the KD gradient computed in the forward) gives the plain path's terms and
+    gradients, in chunks of 3 blocks, Markov rank 8 where the confidence head needs it: kl
+    (decay), l1 at 0.9 (D-PACE), l1 + confidence, the confidence head alone (kd none), and l1 +
+    confidence on the FP8 head (the tolerance of test_fused_equals_plain's fp8 case)."""
+    kd, *rest = case.split("-")
+    conf, fp8 = "conf" in rest, "fp8" in rest
+    drafter, tables, batch = _teacher_setup(11, markov_rank=8 * conf, confidence_head=conf)
+    if fp8:
+        tables = tables._replace(head_VD=fused.Float8Head(tables.head_VD))
+    plain = LossOptions(weighting="decay" if "decay" in rest else "dpace", chunk_blocks=3,
+                        alpha=0.4, kd=kd, kd_weight=0.9 if kd == "l1" else 0.5,
+                        confidence_weight=0.7)
+    rp, gp = _loss_and_grads(drafter, tables, batch, plain)
+    rf, gf = _loss_and_grads(drafter, tables, batch, dataclasses.replace(
+        plain, head_loss=fused.head_loss))
+    r0 = dflash_loss(drafter, tables, batch, dataclasses.replace(plain, kd="none"))
+    assert kd == "none" or abs(r0["loss_sum"].item() - rp["loss_sum"].item()) > 1e-2
+    torch.testing.assert_close(rf["loss_sum"], rp["loss_sum"], atol=1e-4, rtol=1e-5)
+    for key in ("weight_sum", "correct_K", "count_K", "tau_sum", "blocks"):
+        assert torch.equal(rf[key], rp[key]), key
+    assert set(gf) == set(gp)
+    if conf:
+        assert gf["confidence_head.proj.weight"].abs().sum() > 0
+    if not fp8:
+        for n in gp:
+            torch.testing.assert_close(gf[n], gp[n], atol=1e-5, rtol=1e-4)
+        return
+    f, p = (torch.cat([g.flatten() for g in grads.values()]) for grads in (gf, gp))
+    assert 0 < (f - p).norm() < 0.05 * p.norm()
+    for n in gp:
+        assert F.cosine_similarity(gf[n].flatten(), gp[n].flatten(), dim=0) > 0.99, n
 
 
 def test_confidence_head_loss_labels_and_gradients():

@@ -346,11 +346,8 @@ INVALID = [
     ("out_dir a file", dict(out_dir="{file}"), "out_dir"),
     ("kd unknown", dict(kd_loss="tv", loss_impl="plain"), "kd_loss"),
     ("kd weight past 1", dict(kd_weight=1.5), "kd_weight"),
-    ("kd on the fused path", dict(kd_loss="kl"), "kd_loss"),
     ("confidence weight negative", dict(confidence_weight=-1.0), "confidence_weight"),
     ("confidence head without a Markov head", dict(confidence_head=True, loss_impl="plain"),
-     "confidence_head"),
-    ("confidence head on the fused path", dict(confidence_head=True, markov_rank=8),
      "confidence_head"),
     ("more than any machine holds", dict(max_length=2 ** 20, num_anchors=2 ** 19), "num_anchors"),  # memory check
 ]

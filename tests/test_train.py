@@ -304,13 +304,14 @@ def test_capture_final_state_is_the_lm_heads_input(tiny_target):
 def test_kd_and_confidence_head_train_through_train_py(tiny_target, convs, tmp_path):
     """The target-distribution loss and the confidence head through the real main(): under torchrun
     (2 targets + 1 drafter: the final states travel with the layers') --kd_loss=l1 with a Markov
-    and a confidence head, and in one process --kd_loss=kl under D-PACE. Both end, the loss falls,
-    the checkpoint carries the head (its weights moved from their init), and the kl run's loss
-    differs from the CE-only run's on the same data and seed."""
+    and a confidence head on the plain loss path, and in one process --kd_loss=kl under D-PACE on
+    the fused one (the default). Both end, the loss falls, the checkpoint carries the head (its
+    weights moved from their init), and the kl run's loss differs from the CE-only run's on the
+    same data and seed."""
     from model import load_drafter
-    common = ["--max_steps=6", "--loss_impl=plain", "--lr=3e-3"]
+    common = ["--max_steps=6", "--lr=3e-3"]
     runs = {"l1": (3, ["--kd_loss=l1", "--markov_rank=8", "--confidence_head=true",
-                       "--target_ranks=2", "--drafter_ranks=1"]),
+                       "--target_ranks=2", "--drafter_ranks=1", "--loss_impl=plain"]),
             "kl": (1, ["--kd_loss=kl", "--kd_weight=0.5", "--loss_weighting=dpace"]),
             "ce": (1, ["--loss_weighting=dpace"])}
     for name, (nproc, extra) in runs.items():
