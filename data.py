@@ -715,7 +715,8 @@ def _regen_worker(rank, world, paths, device, dtype, opts):
         device = f"cuda:{rank % torch.cuda.device_count()}"
     else:  # CPU workers share the cores instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    model, tokenizer = load_for_generation(model_path, device, dtype, generation_attention(opts.cache))
+    attention = generation_attention(opts.cache)
+    model, tokenizer = load_for_generation(model_path, device, dtype, attention)
     stats = regenerate(model, tokenizer, in_path, out_path, opts, rank=rank, world=world)
     print(f"regenerate rank {rank}: {json.dumps({k: round(v, 2) for k, v in stats.items()})}")
 

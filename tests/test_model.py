@@ -200,10 +200,17 @@ def test_fused_equals_plain(weighting, markov_rank, fp8_head):
     rp, gp = _loss_and_grads(drafter, tables, batch, plain)
     fused_opts = dataclasses.replace(plain, head_loss=fused.head_loss)
     rf, gf = _loss_and_grads(drafter, tables, batch, fused_opts)
+    assert len(gp) == 25 + 2 * bool(markov_rank)
+    _fused_matches_plain(rf, gf, rp, gp, fp8_head)
+
+
+def _fused_matches_plain(rf, gf, rp, gp, fp8_head):
+    """The fused path's terms (rf) and gradients (gf) against the plain path's (rp, gp):
+    test_fused_equals_plain states the tolerances."""
     torch.testing.assert_close(rf["loss_sum"], rp["loss_sum"], atol=1e-4, rtol=1e-5)
     for key in ("weight_sum", "correct_K", "count_K", "tau_sum", "blocks"):
         assert torch.equal(rf[key], rp[key]), key
-    assert set(gf) == set(gp) and len(gp) == 25 + 2 * bool(markov_rank)
+    assert set(gf) == set(gp)
     if not fp8_head:
         for n in gp:
             torch.testing.assert_close(gf[n], gp[n], atol=1e-5, rtol=1e-4)
@@ -730,20 +737,8 @@ def test_fused_target_terms_equal_plain(case):
         plain, head_loss=fused.head_loss))
     r0 = dflash_loss(drafter, tables, batch, dataclasses.replace(plain, kd="none"))
     assert kd == "none" or abs(r0["loss_sum"].item() - rp["loss_sum"].item()) > 1e-2
-    torch.testing.assert_close(rf["loss_sum"], rp["loss_sum"], atol=1e-4, rtol=1e-5)
-    for key in ("weight_sum", "correct_K", "count_K", "tau_sum", "blocks"):
-        assert torch.equal(rf[key], rp[key]), key
-    assert set(gf) == set(gp)
-    if conf:
-        assert gf["confidence_head.proj.weight"].abs().sum() > 0
-    if not fp8:
-        for n in gp:
-            torch.testing.assert_close(gf[n], gp[n], atol=1e-5, rtol=1e-4)
-        return
-    f, p = (torch.cat([g.flatten() for g in grads.values()]) for grads in (gf, gp))
-    assert 0 < (f - p).norm() < 0.05 * p.norm()
-    for n in gp:
-        assert F.cosine_similarity(gf[n].flatten(), gp[n].flatten(), dim=0) > 0.99, n
+    assert not conf or gf["confidence_head.proj.weight"].abs().sum() > 0
+    _fused_matches_plain(rf, gf, rp, gp, fp8)
 
 
 def test_confidence_head_loss_labels_and_gradients():
