@@ -592,11 +592,13 @@ def _regen_worker(rank, world, args, prompts, out, barrier):
     out/<rank>.json."""
     import data
     dev = f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
-    attention = (data.generation_attention(args.caches.split(",")[0]) if args.attention == "auto"
-                 else args.attention)
-    model, tok = load_for_generation(args.target, dev, attention=attention)
-    mine, res = prompts[rank::world], []
+    models, mine, res = {}, prompts[rank::world], []
     for cache, batch_tokens in regen_methods(args):
+        attention = (data.generation_attention(cache) if args.attention == "auto"
+                     else args.attention)
+        if attention not in models:
+            models[attention] = load_for_generation(args.target, dev, attention=attention)
+        model, tok = models[attention]
         for rep in (1, 2):  # pass 1 compiles what the static cache compiles
             torch.manual_seed(rank)
             barrier.wait()  # the processes time the same method at the same time
@@ -771,7 +773,7 @@ def main(argv=None):
             ("--batch_tokens", "0", "regen: prompt + answer tokens per generate call of the padded "
              "caches, a list to sweep (0: data's)"),
             ("--attention", "auto", "regen: the target's attention, sdpa | sdpa_grouped_decode "
-             "(auto: data.generation_attention of the first cache)")):
+             "(auto: data.generation_attention of each cache, as data.py regenerates)")):
         # a str or an int, as its default
         ap.add_argument(flag, type=type(default), default=default, help=help)
     for flag, help in (("--breakdown", "drafter, target: the time of each part"),

@@ -54,9 +54,12 @@ CACHE_VERSION = 2  # bump when the tokenized format or the masking rule changes
 GENERATE_BATCH_TOKENS = 131072  # prompt + answer tokens (padding included) of one generate call
 # a dynamic sub-batch's rows (prompt + answer budget) are at most this many times its shortest: a
 # large token budget never pads a whole batch to one long prompt (1,048,576 tokens a call without
-# this bound: 0.39x the throughput of 131,072 on an H200, a chitchat prompt of thousands of tokens
-# padding 512 rows; docs/LOG.md)
-GENERATE_PAD_RATIO = 1.25
+# this bound: 0.39x the throughput of 131,072 on an H200, chitchat prompts of thousands of tokens
+# padding 512 rows; docs/LOG.md). Loose enough that the demo's prompts (<= 224 tokens, 256 new)
+# share one: on an H200 a decoding step of 256 rows took as long as of fewer (the CPU's pace),
+# so a split for less padding alone loses
+GENERATE_PAD_RATIO = 2.0
+CONTINUOUS_MEMORY = 0.3  # continuous batching's paged cache: this fraction of the free memory
 STATIC_MIN_PROMPT, STATIC_MAX_PROMPT = 64, 2048  # static cache: prompts padded to powers of 2
 BUCKET_BATCHES = 64  # Batcher sorts windows of this many batches by length: less padding, batch order still random
 _WS = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
@@ -547,10 +550,15 @@ def _generate_padded(model, tokenizer, texts, ids, max_new_tokens, how, cache, b
 
 def _generate_continuous(model, ids, max_new_tokens, how):
     """The generated token ids of every prompt (token ids), in order, by transformers' continuous
-    batching; a request it lost or failed raises, naming how many."""
+    batching; a request it lost or failed raises, naming how many. Its paged cache takes
+    CONTINUOUS_MEMORY of the memory free after the model (transformers' default, 0.9, let the
+    second of 2 CPU workers be killed for memory): workers sharing a device each take that
+    fraction of what the earlier ones left."""
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
     out = model.generate_batch(ids, generation_config=GenerationConfig(
-        max_new_tokens=max_new_tokens, **how), progress_bar=False)
+        max_new_tokens=max_new_tokens, **how), progress_bar=False,
+        continuous_batching_config=ContinuousBatchingConfig(max_memory_percent=CONTINUOUS_MEMORY))
     failed = [k for k, r in out.items() if r.error is not None]
     if len(out) != len(ids) or failed:
         raise RuntimeError(f"continuous batching: {len(ids) - len(out)} of {len(ids)} answers "

@@ -959,11 +959,11 @@ def test_sub_batches_static_shapes():
         [[4], None, 0]]
     five = data._sub_batches(lengths[:9], 8, "static", 1000)[0]
     assert five == [[0, 8, 6, 7, 5], 64, 8]  # 3 repeats to come
-    # dynamic: a row (prompt + 8) past 1.25x the sub-batch's first opens the next: 10 + 8 -> up to
-    # 22.5 (prompts <= 14), 15 + 8 -> 28.75, 30 + 8 -> 47.5, 60 + 8 -> 85, then 200, 3000 alone
+    # dynamic: a row (prompt + 8) past 2x the sub-batch's first opens the next: 10 + 8 -> up to 36
+    # (prompts <= 28), 30 + 8 -> 76 (<= 68), 70 + 8 -> 156, then 200 and 3000 alone
     assert data._sub_batches(lengths, 8, "dynamic", 1000) == [
-        [[0, 8, 9, 10, 11], None, 0], [[12, 6], None, 0], [[7], None, 0], [[5, 2, 1], None, 0],
-        [[3], None, 0], [[4], None, 0]]
+        [[0, 8, 9, 10, 11, 12, 6], None, 0], [[7, 5, 2], None, 0], [[1], None, 0], [[3], None, 0],
+        [[4], None, 0]]
     # and (rows + 1) x (longest + 8) past the budget: 2 x 18 <= 40 < 3 x 18
     assert data._sub_batches([10] * 5, 8, "dynamic", 40) == [
         [[0, 1], None, 0], [[2, 3], None, 0], [[4], None, 0]]
