@@ -713,8 +713,8 @@ def spawn_workers(fn, n, args=(), keep=()):
 def generation_attention(cache):
     """The target's attention for regenerating with `cache`: the dynamic cache's decoding steps
     without KV copies (target.GROUPED_SDPA: the same tokens, tests/test_data.py); transformers'
-    SDPA for the static cache (compiled) and continuous batching (which picks its own)."""
-    return GROUPED_SDPA if cache == "dynamic" else "sdpa"
+    choice for the static cache (compiled) and continuous batching (which picks its own)."""
+    return GROUPED_SDPA if cache == "dynamic" else None
 
 
 def _regen_worker(rank, world, paths, device, dtype, opts):

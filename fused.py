@@ -175,8 +175,8 @@ class HeadCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out_MD, w1_Vr, w2_Vr, task):
-        head, markov, kd = task.head, w1_Vr is not None, task.teacher_MD is not None
-        if kd:
+        head, markov, teacher = task.head, w1_Vr is not None, task.teacher_MD is not None
+        if teacher:
             fn = _kd_chunk_compiled if out_MD.is_cuda else _kd_chunk
             ce = partial(fn, kd=task.kd, kd_weight=task.kd_weight)
         else:
@@ -184,7 +184,7 @@ class HeadCE(torch.autograd.Function):
         loss, grad = torch.zeros((), device=out_MD.device), torch.empty_like(out_MD)
         M = out_MD.shape[0]
         correct = torch.empty(M, dtype=torch.bool, device=out_MD.device)
-        label_M, w_M = (torch.zeros(M, device=out_MD.device) for _ in range(2))  # kd's only
+        label_M, w_M = (torch.zeros(M, device=out_MD.device) for _ in range(2))  # teacher's only
         if markov:
             g1, g2 = (torch.zeros_like(w, dtype=torch.float32) for w in (w1_Vr, w2_Vr))
         for i in range(0, M, task.chunk_rows):
@@ -193,7 +193,7 @@ class HeadCE(torch.autograd.Function):
             if markov:
                 e_Mr = F.embedding(task.prev_M[j], w1_Vr)
                 logits = logits + e_Mr @ w2_Vr.t()
-            if kd:
+            if teacher:
                 loss_j, correct[j], g, label_M[j], w_M[j] = ce(
                     logits, head.logits(task.teacher_MD[j]), task.labels_M[j], task.w_M[j],
                     task.dpace, head.fp8)

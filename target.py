@@ -316,19 +316,19 @@ def choose_dtype(name, device):
 GROUPED_SDPA = "sdpa_grouped_decode"  # attention.grouped_decode_sdpa under transformers' registry
 
 
-def load_for_generation(path, device="cpu", dtype=None, attention="sdpa"):
+def load_for_generation(path, device="cpu", dtype=None, attention=None):
     """The whole HF model for generation (eval.py, data.py's regeneration) -> (model, tokenizer),
     from a folder or a .gguf (converted first); a from_pretrained dtype keeps inv_freq fp32.
-    dtype None: default_dtype(device). attention: "sdpa" (transformers') | GROUPED_SDPA (the same,
-    but decoding steps of a grouped-query model read the KV cache without copying it: batched
-    regeneration)."""
+    dtype None: default_dtype(device). attention: None (transformers' choice for the model) |
+    "sdpa" | GROUPED_SDPA (SDPA, but decoding steps of a grouped-query model read the KV cache
+    without copying it: batched regeneration)."""
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     if attention == GROUPED_SDPA:  # the same masks as SDPA's, our attention function
         AttentionInterface.register(GROUPED_SDPA, grouped_decode_sdpa)
         AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
-    elif attention != "sdpa":
-        raise ValueError(f"attention={attention!r}: sdpa or {GROUPED_SDPA}")
+    elif attention not in (None, "sdpa"):
+        raise ValueError(f"attention={attention!r}: None, sdpa or {GROUPED_SDPA}")
     if (path := Path(path)).suffix == ".gguf":
         path = convert_gguf(path)
     dtype = dtype or default_dtype(device)[0]
