@@ -842,6 +842,8 @@ def demo_settings(device, world=1):
     # ShareGPT prompts of <= 224 tokens: with SmolLM2's template (~30 tokens) and a 256-token answer
     # within the GPU recipe's max_length 512; 8,300 of its 9,435 first turns
     prompts = dict(n_sharegpt_eval=256, max_prompt_tokens=224, sample_temperature=0.8)
+    # train prompts too long for the train preset's max_length get no answer (data._trainable)
+    gpu_max_length, cpu_max_length = 512, 384
     if not str(device).startswith("cuda"):
         return dict(
             # 3 gloo processes: the real recipe's path (point-to-point sends, a target mesh) on CPU
@@ -852,13 +854,14 @@ def demo_settings(device, world=1):
             # written all the same. Dynamic cache: nothing compiles it on a CPU
             corpus=dict(prompts, n_train=128, n_eval=32, n_sharegpt_train=0, max_new_tokens=64,
                         batch_size=32, samples=0, cache="dynamic",
-                        batch_tokens=GENERATE_BATCH_TOKENS),
+                        batch_tokens=GENERATE_BATCH_TOKENS, max_train_tokens=cpu_max_length),
             # all but one process hold the target, one trains (launch.sh starts 3: the real recipe's
             # path over gloo). Block 2: on 2 cores the LM head over anchors x block rows is the
             # cost and only offset 1 is accepted this early (block 4 1.18, block 16 1.04). 64
             # anchors: the answers average 66 tokens, and an anchor past a sequence's answer
             # still costs its head rows (128 anchors: 4 of 5 rows were such, or offset 0)
-            train=dict(train, drafter_layers=2, max_length=384, batch_size=4, num_anchors=64,
+            train=dict(train, drafter_layers=2, max_length=cpu_max_length, batch_size=4,
+                       num_anchors=64,
                        block_size=2, lr=2e-3, warmup_ratio=0.05, epochs=4.0, log_every=10,
                        ckpt_every=100, target_ranks=max(1, world - 1), drafter_ranks=1),
             eval=dict(limit=8, max_new_tokens=48, workers=min(2, os.cpu_count() or 1)))
@@ -871,12 +874,13 @@ def demo_settings(device, world=1):
         # ran 0.70x as fast on an H200 (`python bench.py regen`). batch_size: records per write
         corpus=dict(prompts, n_train=4395, n_eval=256, n_sharegpt_train=0, max_new_tokens=256,
                     batch_size=2048, samples=2, cache="dynamic", procs_per_gpu=2,
-                    batch_tokens=GENERATE_BATCH_TOKENS),
+                    batch_tokens=GENERATE_BATCH_TOKENS, max_train_tokens=gpu_max_length),
         # 3,504 steps of 16 on either corpus: the chitchat-only recipe's budget (4.3 epochs of its
         # 13,050 answers, the reference recipe's ~6 minutes on one H200 at our speed). D-PACE
         # weights and a rank-128 Markov head: held-out tau 4.47 where decay with no head gives
         # 3.49 (BENCHMARKS.md). 1 GPU: colocated; N GPUs: 1 target + N-1 drafters
-        train=dict(train, drafter_layers=5, max_length=512, batch_size=16, num_anchors=256,
+        train=dict(train, drafter_layers=5, max_length=gpu_max_length, batch_size=16,
+                   num_anchors=256,
                    lr=6e-4, warmup_ratio=0.04, max_steps=3504, loss_weighting="dpace",
                    markov_rank=128, log_every=50, ckpt_every=1000, target_ranks=1,
                    drafter_ranks=max(1, world - 1)),
@@ -925,6 +929,25 @@ def demo_prompts(cache, s, tokenizer):
         if not out["train"].exists():
             mixed = sorted(chat + share, key=lambda x: _stable_hash(json.loads(x)["id"]))
             _write_atomic(out["train"], mixed)
+    out["train"] = _trainable(out["train"], tokenizer, s["max_train_tokens"])
+    return out
+
+
+def _trainable(path, tokenizer, max_length):
+    """The prompts of `path` that training at `max_length` can learn an answer to (the rendered
+    prompt leaves room for 2 answer tokens) -> their file, `<path>_fit<max_length>.jsonl`, made
+    once; the others are counted and said. Chitchat holds prompts of up to 24,492 tokens: answered,
+    they cost a regeneration sub-batch each (256 steps) and training then drops the record."""
+    out = path.with_name(f"{path.stem}_fit{max_length}.jsonl")
+    if not out.exists():
+        lines = _jsonl_lines(path)
+        texts = [_render(tokenizer, json.loads(x)["messages"], True, {}) for x in lines]
+        lengths = map(len, tokenizer(texts, add_special_tokens=False)["input_ids"])
+        kept = [x for x, L in zip(lines, lengths) if L + 2 <= max_length]
+        print(f"demo {out.name}: {len(kept)} of {len(lines)} prompts; {len(lines) - len(kept)} "
+              f"longer than {max_length - 2} tokens left out (training at max_length "
+              f"{max_length} could not use their answers)")
+        _write_atomic(out, kept)
     return out
 
 

@@ -811,6 +811,28 @@ def test_prepare_demo_sharegpt_and_chitchat(tmp_path, target_dir, sharegpt_pools
     assert (tmp_path / "demo_train.jsonl").resolve() == old["train"]
 
 
+def test_demo_train_prompts_fit_the_training_length(tmp_path, target_dir, capsys):
+    """A demo train prompt whose rendered length leaves no room for 2 answer tokens at the train
+    preset's max_length gets no answer: left out of the file regeneration reads, counted and said;
+    one exactly at the limit stays; the file is made once."""
+    tok = load_tokenizer(target_dir)
+    recs = [{"id": str(i), "messages": [{"role": "user", "content": "word " * k}]}
+            for i, k in enumerate((3, 400, 5))]
+    (f := tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    L = [len(tok(data._render(tok, r["messages"], True, {}), add_special_tokens=False)["input_ids"])
+         for r in recs]
+    assert L[0] < L[2] < L[1]
+    out = data._trainable(f, tok, L[2] + 2)
+    assert out.name == f"p_fit{L[2] + 2}.jsonl"
+    assert [json.loads(x)["id"] for x in data._jsonl_lines(out)] == ["0", "2"]
+    assert f"2 of 3 prompts; 1 longer than {L[2]} tokens left out" in capsys.readouterr().out
+    assert data._trainable(f, tok, L[2] + 2) == out and not capsys.readouterr().out
+    assert data.demo_settings("cuda")["corpus"]["max_train_tokens"] == data.demo_settings(
+        "cuda")["train"]["max_length"]
+    assert data.demo_settings("cpu")["corpus"]["max_train_tokens"] == data.demo_settings(
+        "cpu")["train"]["max_length"]
+
+
 def test_demo_settings(monkeypatch, tmp_path):
     """One place for the demo: the target:drafter split follows the processes torchrun starts (CPU: all but one
     hold the target; GPUs: one does), paths are under the cache, eval's workers are half the cores, at most 8 (CPU:
