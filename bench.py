@@ -196,10 +196,11 @@ def bench_ceilings(args):
         f"{hbm / 4.8e12:.0%} of the 4.8 datasheet")
 
 
-def step_flops(cfg, S, anchors, keep):
+def step_flops(cfg, S, anchors, keep, teacher=False):
     """Model FLOPs of one fwd+bwd+loss step, a matmul 2*m*n*k: layers 3x (fwd, input and weight
     grads), fc and the frozen LM head 2x (no input/weight grad), attention 3x over the keys each
-    query row sees (exactly, from anchors)."""
+    query row sees (exactly, from anchors); teacher: the target's logits through the LM head too,
+    once (the fused path's count; the plain path recomputes them in its backward)."""
     D, F, H, Hkv, hd, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
                            cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size)
     K, N = cfg.block_size, anchors.shape[0]
@@ -215,7 +216,7 @@ def step_flops(cfg, S, anchors, keep):
         else:  # context [max(0, p+j-W+1), p) holds min(p, W-1-j) keys; causal block part j+1
             vis = torch.minimum(p, (cfg.sliding_window - 1 - j).float()).clamp(min=0) + j + 1
         fl += 3 * 2 * 2 * (vis * keep[:, :, None]).sum().item() * H * hd
-    return fl + 2 * 2 * Q * D * V
+    return fl + (2 + int(teacher)) * 2 * Q * D * V
 
 
 def bench_drafter(args):
@@ -243,7 +244,8 @@ def bench_drafter(args):
     gen = torch.Generator("cuda").manual_seed(0)
     for S in seqs:
         batch, hidden, _ = side.source.get(S)  # micro-batch S: S tokens (RandomBatches)
-        fl = step_flops(dcfg, S, *sample_anchors(batch["loss_mask"], cfg.num_anchors, gen))
+        fl = step_flops(dcfg, S, *sample_anchors(batch["loss_mask"], cfg.num_anchors, gen),
+                        teacher=final_states(cfg, dcfg))
         torch.cuda.reset_peak_memory_stats()
         side.drafter.zero_grad(set_to_none=True)
         ms_fwd = cuda_time(lambda: train.drafter_loss(cfg, side, batch, hidden, S), args.iters)
