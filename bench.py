@@ -606,7 +606,9 @@ def _regen_worker(rank, world, args, prompts, out, barrier):
             barrier.wait()  # the processes time the same method at the same time
             t0 = time.perf_counter()
             answers, tokens, unfinished, _ = data._generate(  # synced: .tolist()
-                model, tok, mine, args.new_tokens, {}, args.temperature, cache, batch_tokens)
+                model, tok, mine, data.RegenOptions(max_new_tokens=args.new_tokens,
+                                                    temperature=args.temperature, cache=cache,
+                                                    batch_tokens=batch_tokens))
             res.append(dict(cache=cache, rep=rep, tokens=tokens, seconds=time.perf_counter() - t0,
                             unfinished=unfinished, answers=answers,
                             graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"]))

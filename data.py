@@ -475,6 +475,19 @@ class Batcher:
 
 
 # ----------------------------------------------------------------------------- regeneration
+@dataclass(frozen=True)
+class RegenOptions:
+    """How regenerate answers, alike in every worker."""
+    batch_size: int = 16  # records per batch (a resumable write)
+    max_new_tokens: int = 512  # per answer
+    temperature: float = 0.0  # 0: greedy; > 0: sampled (plain softmax), seeded by record
+    seed: int = 0  # with temperature: the batch seeds start here
+    skip_invalid: bool = False  # skip (and count) broken records instead of stopping at the first
+    template_kwargs: dict = field(default_factory=dict)  # the chat template's, e.g. enable_thinking
+    cache: str = "dynamic"  # _generate's: dynamic | static (compiled on a GPU) | continuous
+    batch_tokens: int = GENERATE_BATCH_TOKENS  # prompt + answer tokens of one generate call (padded)
+
+
 def _sub_batches(lengths, max_new_tokens, cache, batch_tokens=GENERATE_BATCH_TOKENS):
     """Prompt indices in sub-batches of similar length, each with its padded prompt length P and
     its rows; each holds <= batch_tokens tokens of prompt + answer, so one long prompt
@@ -501,25 +514,25 @@ def _sub_batches(lengths, max_new_tokens, cache, batch_tokens=GENERATE_BATCH_TOK
 
 
 @torch.no_grad()
-def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs, temperature=0.0,
-              cache="dynamic", batch_tokens=GENERATE_BATCH_TOKENS):
+def _generate(model, tokenizer, prompts, opts=RegenOptions()):
     """Greedy (or plain-softmax sampled) answers, cut before eos or any other control token ->
-    (answers, #tokens, #unfinished, #prompts + max_new_tokens past the context). cache "dynamic":
+    (answers, #tokens, #unfinished, #prompts + max_new_tokens past the context), as RegenOptions
+    `opts` say (its max_new_tokens, temperature, template_kwargs, cache, batch_tokens). cache "dynamic":
     transformers' default cache, eager, in _sub_batches, left-padded; "static": its static KV cache,
     whose forward transformers compiles on a GPU (torch.compile, CUDA graphs); "continuous": its
     continuous batching (generate_batch: a paged cache, a finished answer's place taken by the
     next prompt at once; sampled draws are not reproducible record by record there). batch_tokens:
     the padded paths' prompt + answer tokens of one generate call (_sub_batches)."""
-    texts = [_render(tokenizer, p, True, template_kwargs) for p in prompts]
+    max_new_tokens, temperature = opts.max_new_tokens, opts.temperature
+    texts = [_render(tokenizer, p, True, opts.template_kwargs) for p in prompts]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     context = getattr(model.config, "max_position_embeddings", None) or float("inf")
     sample = (dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0
               else dict(do_sample=False))
     ends = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     how = dict(sample, **ends)
-    rows = (_generate_continuous(model, ids, max_new_tokens, how) if cache == "continuous"
-            else _generate_padded(model, tokenizer, texts, ids, max_new_tokens, how, cache,
-                                  batch_tokens))
+    rows = (_generate_continuous(model, ids, max_new_tokens, how) if opts.cache == "continuous"
+            else _generate_padded(model, tokenizer, texts, ids, how, opts))
     # a control token is never answer text (reading refuses it in content): an answer ends there
     stop = {tokenizer.eos_token_id, *tokenizer.all_special_ids, *tokenizer.added_tokens_decoder}
     answers, n_tokens, unfinished = [], 0, 0
@@ -532,16 +545,17 @@ def _generate(model, tokenizer, prompts, max_new_tokens, template_kwargs, temper
     return answers, n_tokens, unfinished, sum(len(x) + max_new_tokens > context for x in ids)
 
 
-def _generate_padded(model, tokenizer, texts, ids, max_new_tokens, how, cache, batch_tokens):
+def _generate_padded(model, tokenizer, texts, ids, how, opts):
     """The generated token ids of every prompt, in order, by `generate` over _sub_batches,
     left-padded (a finished answer's row runs on, padded, until its sub-batch ends)."""
     rows = [None] * len(texts)
-    for g, P, n in _sub_batches([len(x) for x in ids], max_new_tokens, cache, batch_tokens):
+    for g, P, n in _sub_batches([len(x) for x in ids], opts.max_new_tokens, opts.cache,
+                                opts.batch_tokens):
         batch = [texts[i] for i in g] + [texts[g[0]]] * (n - len(g))  # repeats fill the rows
         enc = tokenizer(batch, add_special_tokens=False, padding="max_length" if P else True,
                         max_length=P, padding_side="left", return_tensors="pt").to(model.device)
         with sdpa_kernel(NO_CUDNN):  # the key length grows every step: cuDNN would plan anew each
-            out = model.generate(**enc, **how, max_new_tokens=max_new_tokens,
+            out = model.generate(**enc, **how, max_new_tokens=opts.max_new_tokens,
                                  **(dict(cache_implementation="static") if P else {}))
         for i, row in zip(g, out[:, enc["input_ids"].shape[1]:].tolist()):  # repeats dropped
             rows[i] = row
@@ -564,19 +578,6 @@ def _generate_continuous(model, ids, max_new_tokens, how):
         raise RuntimeError(f"continuous batching: {len(ids) - len(out)} of {len(ids)} answers "
                            f"missing, {len(failed)} failed ({failed[:3]})")
     return [r.generated_tokens for r in out.values()]
-
-
-@dataclass(frozen=True)
-class RegenOptions:
-    """How regenerate answers, alike in every worker."""
-    batch_size: int = 16  # records per batch (a resumable write)
-    max_new_tokens: int = 512  # per answer
-    temperature: float = 0.0  # 0: greedy; > 0: sampled (plain softmax), seeded by record
-    seed: int = 0  # with temperature: the batch seeds start here
-    skip_invalid: bool = False  # skip (and count) broken records instead of stopping at the first
-    template_kwargs: dict = field(default_factory=dict)  # the chat template's, e.g. enable_thinking
-    cache: str = "dynamic"  # _generate's: dynamic | static (compiled on a GPU) | continuous
-    batch_tokens: int = GENERATE_BATCH_TOKENS  # prompt + answer tokens of one generate call (padded)
 
 
 def _regenerated(raw, conv):
@@ -616,8 +617,7 @@ def regenerate(model, tokenizer, in_path, out_path, opts=RegenOptions(), rank=0,
             while any(todo):  # round r regenerates the r-th assistant turn of every record
                 rows, t0 = [(c, t.pop(0)) for c, t in zip(convs, todo) if t], time.perf_counter()
                 answers, n, unfinished, over = _generate(  # synced: .tolist()
-                    model, tokenizer, [c[:i] for c, i in rows], opts.max_new_tokens,
-                    opts.template_kwargs, opts.temperature, opts.cache, opts.batch_tokens)
+                    model, tokenizer, [c[:i] for c, i in rows], opts)
                 stats.update(seconds=time.perf_counter() - t0, tokens=n, unfinished=unfinished,
                              over_context=over)
                 if over:  # kept (the record stays whole), but said: not the model's usual text
@@ -1020,6 +1020,8 @@ def main(argv=None):
         q.add_argument("--max_new_tokens", type=int)
         q.add_argument("--batch_tokens", type=int, help="prompt + answer tokens of one generate "
                        f"call, padding included (default {GENERATE_BATCH_TOKENS})")
+        q.add_argument("--cache", choices=["dynamic", "static", "continuous"], help="generation: "
+                       "dynamic (default) | static (compiled on a GPU) | continuous (batching)")
     d.add_argument("--cache_dir", help="default: $DFLASH_CACHE or ~/.cache/dflash-trainer")
     d.add_argument("--n_train", type=int)
     d.add_argument("--n_eval", type=int)
@@ -1034,9 +1036,6 @@ def main(argv=None):
     r.add_argument("--procs", type=int, help="worker processes (default: all visible GPUs with cuda)")
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = sampled (plain softmax)")
     r.add_argument("--seed", type=int, default=0, help="with --temperature: batch seeds start here")
-    for q in (d, r):
-        q.add_argument("--cache", choices=["dynamic", "static", "continuous"], help="generation: "
-                       "dynamic (default) | static (compiled on a GPU) | continuous (batching)")
     r.add_argument("--out", required=True)
     t.add_argument("--model", required=True, help="folder holding the target's tokenizer and config")
     t.add_argument("--max_length", type=int, default=4096)
@@ -1054,19 +1053,23 @@ def main(argv=None):
     elif a.cmd == "from_completions":
         from_completions(a.data, a.out, a.skip_invalid)
     elif a.cmd == "regenerate":
-        cache = a.cache or "dynamic"
         opts = RegenOptions(a.batch_size or 16, a.max_new_tokens or 512, a.temperature, a.seed,
-                            a.skip_invalid, a.chat_kwargs, cache,
+                            a.skip_invalid, a.chat_kwargs, a.cache or "dynamic",
                             a.batch_tokens or GENERATE_BATCH_TOKENS)
         regenerate_file(a.model, a.data, a.out, opts, a.device, a.procs, a.dtype)
     else:
-        tok = load_tokenizer(a.model)
-        t0, c0 = time.perf_counter(), time.process_time()  # CPU time too: shared machines skew wall time
-        data = load_tokenized(a.data, tok, a.max_length, a.cache_dir or default_cache_dir() / "tokenized",
-                              a.skip_invalid, **a.chat_kwargs)
-        dt, dc = time.perf_counter() - t0, time.process_time() - c0
-        print(f"tokenize: {len(data)} sequences, {len(data.ids)} tokens, {int(data.mask.sum())} supervised, "
-              f"{dt:.2f} s wall, {dc:.2f} s cpu, {len(data.ids) / dt:.0f} tok/s")
+        tokenize_cli(a)
+
+
+def tokenize_cli(a):
+    """`data.py tokenize`: tokenize + cache a dataset, print the time it took."""
+    tok = load_tokenizer(a.model)
+    t0, c0 = time.perf_counter(), time.process_time()  # CPU time too: shared machines skew wall time
+    data = load_tokenized(a.data, tok, a.max_length, a.cache_dir or default_cache_dir() / "tokenized",
+                          a.skip_invalid, **a.chat_kwargs)
+    dt, dc = time.perf_counter() - t0, time.process_time() - c0
+    print(f"tokenize: {len(data)} sequences, {len(data.ids)} tokens, {int(data.mask.sum())} supervised, "
+          f"{dt:.2f} s wall, {dc:.2f} s cpu, {len(data.ids) / dt:.0f} tok/s")
 
 
 if __name__ == "__main__":

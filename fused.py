@@ -58,11 +58,10 @@ def _ce_chunk(logits_MV, labels_M, w_M, dpace=None, fp8=False):
     return (ce * w_M).sum(), x.argmax(-1) == labels_M, grad
 
 
-def _kd_chunk(logits_MV, teacher_MV, labels_M, w_M, dpace=None, fp8=False, kd="none",
-              kd_weight=0.9):
+def _kd_chunk(logits_MV, teacher_MV, labels_M, w_M, dpace=None, fp8=False, kd=("none", 0.0)):
     """_ce_chunk with the target's distribution p = softmax(teacher logits) beside the CE, as
-    model.chunk_loss computes it: per row (1 - lam) CE + lam KD (lam = kd_weight; kd "none": the CE
-    alone, p only for the label) -> (sum_m w_m (that), correct, the gradient w.r.t. the logits,
+    model.chunk_loss computes it: per row (1 - lam) CE + lam KD (kd = (kl | l1 | none, lam); none:
+    the CE alone, p only for the label) -> (sum_m w_m (that), correct, the gradient w.r.t. the logits,
     the confidence label 1 - TV(p, q) (model.target_terms), the row weights w). Per row, the
     gradient over w is (1 - lam) (q - onehot) + lam g_KD with kl = KL(p || q): q - p and
     l1 = sum_v |q_v - p_v|: q (s - <s, q>), s = sign(q - p). fp8: a scale per row from the row's
@@ -77,7 +76,7 @@ def _kd_chunk(logits_MV, teacher_MV, labels_M, w_M, dpace=None, fp8=False, kd="n
     p = torch.softmax(teacher_MV.float(), dim=-1)
     diff = q - p
     l1 = diff.abs().sum(-1)
-    lam = kd_weight if kd != "none" else 0.0
+    kd, lam = kd[0], (kd[1] if kd[0] != "none" else 0.0)
     if kd == "kl":
         kd_M, g_kd = (torch.xlogy(p, p) - p * logq).sum(-1), diff
     elif kd == "l1":
@@ -178,7 +177,7 @@ class HeadCE(torch.autograd.Function):
         head, markov, teacher = task.head, w1_Vr is not None, task.teacher_MD is not None
         if teacher:
             fn = _kd_chunk_compiled if out_MD.is_cuda else _kd_chunk
-            ce = partial(fn, kd=task.kd, kd_weight=task.kd_weight)
+            ce = partial(fn, kd=(task.kd, task.kd_weight))
         else:
             ce = _ce_chunk_compiled if out_MD.is_cuda else _ce_chunk
         loss, grad = torch.zeros((), device=out_MD.device), torch.empty_like(out_MD)

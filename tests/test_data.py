@@ -9,6 +9,7 @@ HF greedy generate. The SmolLM2 target is converted once into $DFLASH_CACHE (or
 import json
 import os
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -246,7 +247,8 @@ def test_generated_control_token_ends_the_answer(monkeypatch, tiny):
     hi, im_start = tok.encode("Hi there", add_special_tokens=False), tok.convert_tokens_to_ids("<|im_start|>")
     monkeypatch.setattr(model, "generate", lambda input_ids, **kw: torch.cat(
         [input_ids, torch.tensor([hi + [im_start] + hi])], 1))
-    answers, n, unfinished, _ = data._generate(model, tok, [[{"role": "user", "content": "Hi"}]], 8, {})
+    answers, n, unfinished, _ = data._generate(model, tok, [[{"role": "user", "content": "Hi"}]],
+                                               data.RegenOptions(max_new_tokens=8))
     assert answers == ["Hi there"] and n == len(hi) + 1 and unfinished == 0
 
 
@@ -594,7 +596,8 @@ def test_generate_runs_without_cudnn_attention(monkeypatch, tiny):
     seen, real = [], torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                         lambda *a, **kw: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or real(*a, **kw))
-    data._generate(model, tok, [[{"role": "user", "content": "Hi"}]], 4, {})
+    data._generate(model, tok, [[{"role": "user", "content": "Hi"}]],
+                   data.RegenOptions(max_new_tokens=4))
     assert len(seen) >= 8 and not any(seen) and torch.backends.cuda.cudnn_sdp_enabled()
 
 
@@ -922,8 +925,9 @@ def test_generate_token_budget_keeps_answers_and_order(target, tmp_path):
     prompts = [[{"role": "user", "content": "Tell me a long story about a dragon who learned to cook pasta."}],
                [{"role": "user", "content": "Hi"}],
                [{"role": "user", "content": "What is 2+2?"}]]
-    whole = data._generate(model, tok, prompts, 10, {}, batch_tokens=10**9)
-    alone = data._generate(model, tok, prompts, 10, {}, batch_tokens=1)  # a prompt per sub-batch
+    opts = data.RegenOptions(max_new_tokens=10)
+    whole = data._generate(model, tok, prompts, replace(opts, batch_tokens=10**9))
+    alone = data._generate(model, tok, prompts, replace(opts, batch_tokens=1))  # one per sub-batch
     assert whole == alone and len(whole[0]) == 3 and whole[0][1] != whole[0][0]
     assert whole[3] == 0
     src = tmp_path / "p.jsonl"
@@ -932,7 +936,7 @@ def test_generate_token_budget_keeps_answers_and_order(target, tmp_path):
     real = data._generate
 
     def spy(*a, **k):
-        calls.append(a[-1])  # batch_tokens, passed by position
+        calls.append(a[-1].batch_tokens)
         return real(*a, **k)
     with pytest.MonkeyPatch.context() as m:
         m.setattr(data, "_generate", spy)
@@ -953,14 +957,14 @@ def test_grouped_decode_attention_answers_as_sdpa(tiny_target, monkeypatch):
     grouped, _ = load_for_generation(tiny_target, "cpu", torch.float32, attention=GROUPED_SDPA)
     assert data.generation_attention("dynamic") == GROUPED_SDPA
     prompts = [[{"role": "user", "content": "word " * k}] for k in (2, 5, 3, 6)]  # one sub-batch
-    want = data._generate(sdpa, tok, prompts, 8, {})
+    want = data._generate(sdpa, tok, prompts, data.RegenOptions(max_new_tokens=8))
     shapes, real = [], attention.F.scaled_dot_product_attention
 
     def spy(q, *a, **k):
         shapes.append(tuple(q.shape))
         return real(q, *a, **k)
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
-    got = data._generate(grouped, tok, prompts, 8, {})
+    got = data._generate(grouped, tok, prompts, data.RegenOptions(max_new_tokens=8))
     assert got == want and len(set(got[0])) == len(prompts)
     # tiny_target: 4 query heads, 2 key heads, head_dim 16 -> q [4 rows, 2 groups, 2, 16] a step,
     # in each of its 6 layers at each of the 7 steps after the prefill's token; none ungrouped
@@ -999,8 +1003,8 @@ def test_generate_static_cache_and_continuous_batching_equal_dynamic(tiny, monke
     monkeypatch.setattr(data, "STATIC_MAX_PROMPT", 256)
     sizes = (1, 40, 3, 90, 7, 150, 45, 2, 300)
     prompts = [[{"role": "user", "content": "word " * k}] for k in sizes]
-    static, dynamic, continuous = (data._generate(model, tok, prompts, 12, {}, cache=c,
-                                                  batch_tokens=1200)
+    static, dynamic, continuous = (data._generate(model, tok, prompts, data.RegenOptions(
+                                       max_new_tokens=12, cache=c, batch_tokens=1200))
                                    for c in ("static", "dynamic", "continuous"))
     assert static == dynamic == continuous and len(set(static[0])) == len(prompts)
     assert static[1] == 12 * len(prompts)  # never eos: every answer 12 tokens
@@ -1026,7 +1030,8 @@ def test_generate_static_cache_samples_at_the_temperature(target_dir):
     logits = logits.logits[0, -1]
     top, (p7, p1) = logits.argmax().item(), (torch.softmax(logits / t, -1).max().item()
                                              for t in (0.7, 1.0))
-    first = data._generate(model, tok, [prompt] * 1024, 1, {}, temperature=0.7, cache="static")[0]
+    first = data._generate(model, tok, [prompt] * 1024, data.RegenOptions(
+        max_new_tokens=1, temperature=0.7, cache="static"))[0]
     freq = sum(a == tok.decode([top]) for a in first) / len(first)
     se = (p7 * (1 - p7) / len(first)) ** 0.5
     assert abs(freq - p7) < 4 * se < abs(freq - p1), (freq, p7, p1)

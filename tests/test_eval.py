@@ -341,7 +341,7 @@ def test_decoding_raises_no_deprecation_warning(monkeypatch, arch):
             ev.spec_decode(target, drafter, p, 4, ev.Decoding(12))
             ev.plain_decode(target, p, ev.Decoding(12))
             chats = [[{"role": "user", "content": "w7 w8"}]] * 2
-            data._generate(target, tiny_tokenizer(), chats, 6, {})
+            data._generate(target, tiny_tokenizer(), chats, data.RegenOptions(max_new_tokens=6))
     finally:
         logging.getLogger("transformers").removeHandler(logged)
     messages = [r.getMessage() for r in logged.records]
