@@ -36,15 +36,15 @@ def grouped_decode_sdpa(module, query, key, value, attention_mask, **kwargs):
     """transformers' SDPA attention (its attention-function signature: query [B, H, T, D], key and
     value [B, G, L, D] -> ([B, T, H, D], None)) where a decoding step of a grouped-query model does
     not copy the KV cache: the r = H / G query heads that share key head g become r query rows
-    of g (q [B, G, r, D], the padding mask repeated over them), and one SDPA call attends with the
-    cache as it is. transformers' own SDPA path repeats every key and value head r times when the
-    batch has a padding mask (the memory-efficient kernel has no GQA): measured on an H200 for
-    SmolLM2-135M (r = 3) at 256 rows, those copies were 40% of a step's GPU time (docs/LOG.md).
-    Everything else (a prefill, no mask, no grouping) goes to transformers' path unchanged."""
+    of g (q [B, G, r, D], the padding mask [B, 1, 1, L], boolean or additive, repeated over them),
+    and one SDPA call attends with the cache as it is. transformers' own SDPA path repeats every
+    key and value head r times when the batch has a padding mask (the memory-efficient kernel has
+    no GQA): on an H200, SmolLM2-135M (r = 3) at 256 rows, 43% of a step's GPU time
+    (docs/LOG.md). Everything else (a prefill, no mask, no grouping) goes to transformers' path."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     B, H, T, D = query.shape
     G, L = key.shape[1], key.shape[2]
-    if T != 1 or G == H or attention_mask is None or attention_mask.dtype != torch.bool:
+    if T != 1 or G == H or attention_mask is None or attention_mask.shape[1] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     r = H // G
     mask = attention_mask[:, :, :, :L].expand(B, 1, 1, L).repeat(1, 1, r, 1)  # [B, 1, r, L]
