@@ -192,3 +192,31 @@ def test_compiled_block_mask_single_kv_tile_compiles_once_more():
         counts.append(compile_count())
     assert counts[1:3] == [counts[0]] * 2 and counts[3] == counts[0] + 2 and counts[4:] == [counts[3]] * 3, counts
 
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_grouped_decode_sdpa_equals_repeated_heads(kind):
+    """attention.grouped_decode_sdpa at a decoding step (one query, 6 query heads on 2 key heads,
+    rows padded on the left by different amounts) equals attention over the key/value heads
+    repeated per query head, written out here, with a boolean or an additive padding mask; a
+    prefill step (T > 1) is transformers' own path, unchanged."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from attention import grouped_decode_sdpa
+    torch.manual_seed(0)
+    B, H, G, L, D = 3, 6, 2, 9, 8
+    q, k, v = torch.randn(B, H, 1, D), torch.randn(B, G, L, D), torch.randn(B, G, L, D)
+    keep = torch.arange(L)[None, :] >= torch.tensor([0, 2, 5])[:, None]  # [B, L]
+    mask = keep[:, None, None, :]
+    if kind == "additive":
+        mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = H // G, False  # as transformers sets them
+    out, _ = grouped_decode_sdpa(module, q, k, v, mask, scaling=0.3)
+    kr, vr = (x.repeat_interleave(H // G, dim=1) for x in (k, v))  # head h reads key head h // 3
+    w = ((q @ kr.transpose(-1, -2)) * 0.3).masked_fill(~keep[:, None, None, :], float("-inf"))
+    want = (w.softmax(-1) @ vr).transpose(1, 2)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    q3 = torch.randn(B, H, 4, D)
+    m3 = torch.ones(B, 1, 4, L, dtype=torch.bool)
+    got, _ = grouped_decode_sdpa(module, q3, k, v, m3, scaling=0.3)
+    torch.testing.assert_close(got, sdpa_attention_forward(module, q3, k, v, m3, scaling=0.3)[0])
