@@ -513,19 +513,25 @@ def _sub_batches(lengths, max_new_tokens, cache, batch_tokens=GENERATE_BATCH_TOK
     return out
 
 
+def _prompt_ids(tokenizer, prompts, template_kwargs):
+    """Conversations ending with a user turn -> (their texts with the generation prompt, ids)."""
+    texts = [_render(tokenizer, p, True, template_kwargs) for p in prompts]
+    return texts, tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
 @torch.no_grad()
 def _generate(model, tokenizer, prompts, opts=RegenOptions()):
     """Greedy (or plain-softmax sampled) answers, cut before eos or any other control token ->
     (answers, #tokens, #unfinished, #prompts + max_new_tokens past the context), as RegenOptions
-    `opts` say (its max_new_tokens, temperature, template_kwargs, cache, batch_tokens). cache "dynamic":
-    transformers' default cache, eager, in _sub_batches, left-padded; "static": its static KV cache,
-    whose forward transformers compiles on a GPU (torch.compile, CUDA graphs); "continuous": its
-    continuous batching (generate_batch: a paged cache, a finished answer's place taken by the
-    next prompt at once; sampled draws are not reproducible record by record there). batch_tokens:
-    the padded paths' prompt + answer tokens of one generate call (_sub_batches)."""
+    `opts` say (its max_new_tokens, temperature, template_kwargs, cache, batch_tokens). cache
+    "dynamic": transformers' default cache, eager, in _sub_batches, left-padded; "static": its
+    static KV cache, whose forward transformers compiles on a GPU (torch.compile, CUDA graphs);
+    "continuous": its continuous batching (generate_batch: a paged cache, a finished answer's
+    place taken by the next prompt at once; sampled draws are not reproducible record by record
+    there). batch_tokens: the padded paths' prompt + answer tokens of one generate call
+    (_sub_batches)."""
     max_new_tokens, temperature = opts.max_new_tokens, opts.temperature
-    texts = [_render(tokenizer, p, True, opts.template_kwargs) for p in prompts]
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    texts, ids = _prompt_ids(tokenizer, prompts, opts.template_kwargs)
     context = getattr(model.config, "max_position_embeddings", None) or float("inf")
     sample = (dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0
               else dict(do_sample=False))
@@ -861,9 +867,9 @@ def demo_settings(device, world=1):
             # anchors: the answers average 66 tokens, and an anchor past a sequence's answer
             # still costs its head rows (128 anchors: 4 of 5 rows were such, or offset 0)
             train=dict(train, drafter_layers=2, max_length=cpu_max_length, batch_size=4,
-                       num_anchors=64,
-                       block_size=2, lr=2e-3, warmup_ratio=0.05, epochs=4.0, log_every=10,
-                       ckpt_every=100, target_ranks=max(1, world - 1), drafter_ranks=1),
+                       num_anchors=64, block_size=2, lr=2e-3, warmup_ratio=0.05, epochs=4.0,
+                       log_every=10, ckpt_every=100, target_ranks=max(1, world - 1),
+                       drafter_ranks=1),
             eval=dict(limit=8, max_new_tokens=48, workers=min(2, os.cpu_count() or 1)))
     return dict(
         procs=world,  # one per GPU
@@ -880,10 +886,9 @@ def demo_settings(device, world=1):
         # weights and a rank-128 Markov head: held-out tau 4.47 where decay with no head gives
         # 3.49 (BENCHMARKS.md). 1 GPU: colocated; N GPUs: 1 target + N-1 drafters
         train=dict(train, drafter_layers=5, max_length=gpu_max_length, batch_size=16,
-                   num_anchors=256,
-                   lr=6e-4, warmup_ratio=0.04, max_steps=3504, loss_weighting="dpace",
-                   markov_rank=128, log_every=50, ckpt_every=1000, target_ranks=1,
-                   drafter_ranks=max(1, world - 1)),
+                   num_anchors=256, lr=6e-4, warmup_ratio=0.04, max_steps=3504,
+                   loss_weighting="dpace", markov_rank=128, log_every=50, ckpt_every=1000,
+                   target_ranks=1, drafter_ranks=max(1, world - 1)),
         # batch-1 decoding of a 135M target is launch-bound: the prompts go to several processes
         eval=dict(limit=64, max_new_tokens=256,
                   workers=min(8, max(1, (os.cpu_count() or 1) // 2))))
@@ -941,9 +946,8 @@ def _trainable(path, tokenizer, max_length):
     out = path.with_name(f"{path.stem}_fit{max_length}.jsonl")
     if not out.exists():
         lines = _jsonl_lines(path)
-        texts = [_render(tokenizer, json.loads(x)["messages"], True, {}) for x in lines]
-        lengths = map(len, tokenizer(texts, add_special_tokens=False)["input_ids"])
-        kept = [x for x, L in zip(lines, lengths) if L + 2 <= max_length]
+        _, ids = _prompt_ids(tokenizer, [json.loads(x)["messages"] for x in lines], {})
+        kept = [x for x, p in zip(lines, ids) if len(p) + 2 <= max_length]
         print(f"demo {out.name}: {len(kept)} of {len(lines)} prompts; {len(lines) - len(kept)} "
               f"longer than {max_length - 2} tokens left out (training at max_length "
               f"{max_length} could not use their answers)")

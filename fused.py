@@ -50,19 +50,24 @@ def _ce_chunk(logits_MV, labels_M, w_M, dpace=None, fp8=False):
         w_M = dpace_weights(ce.detach(), w_M, *dpace)
     grad = torch.exp(x - lse[:, None]) * w_M[:, None]
     grad = grad.scatter_add(1, labels_M[:, None], -w_M[:, None])
-    if fp8:
-        scale = (w_M.abs() * -torch.expm1(-ce.clamp(min=0))).clamp(min=1e-12)[:, None] / E4M3_MAX
-        grad = ((grad / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale)
-    else:
-        grad = grad.to(logits_MV.dtype)
-    return (ce * w_M).sum(), x.argmax(-1) == labels_M, grad
+    scale = (w_M.abs() * -torch.expm1(-ce.clamp(min=0))).clamp(min=1e-12)[:, None] / E4M3_MAX
+    return (ce * w_M).sum(), x.argmax(-1) == labels_M, _grad_out(grad, scale if fp8 else None,
+                                                                  logits_MV.dtype)
+
+
+def _grad_out(grad, scale, dtype):
+    """The logits' fp32 gradient as HeadCE's second matmul takes it: in `dtype`, or (scale [M, 1])
+    in e4m3 with that scale per row."""
+    if scale is None:
+        return grad.to(dtype)
+    return (grad / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
 def _kd_chunk(logits_MV, teacher_MV, labels_M, w_M, dpace=None, fp8=False, kd=("none", 0.0)):
     """_ce_chunk with the target's distribution p = softmax(teacher logits) beside the CE, as
     model.chunk_loss computes it: per row (1 - lam) CE + lam KD (kd = (kl | l1 | none, lam); none:
-    the CE alone, p only for the label) -> (sum_m w_m (that), correct, the gradient w.r.t. the logits,
-    the confidence label 1 - TV(p, q) (model.target_terms), the row weights w). Per row, the
+    the CE alone, p only for the label) -> (sum_m w_m (that), correct, the gradient w.r.t. the
+    logits, the confidence label 1 - TV(p, q) (model.target_terms), the row weights w). Per row, the
     gradient over w is (1 - lam) (q - onehot) + lam g_KD with kl = KL(p || q): q - p and
     l1 = sum_v |q_v - p_v|: q (s - <s, q>), s = sign(q - p). fp8: a scale per row from the row's
     largest entry (the CE's bound on it no longer holds)."""
@@ -86,13 +91,10 @@ def _kd_chunk(logits_MV, teacher_MV, labels_M, w_M, dpace=None, fp8=False, kd=("
         kd_M, g_kd = torch.zeros_like(ce), torch.zeros_like(q)
     grad = ((1 - lam) * q + lam * g_kd) * w_M[:, None]
     grad = grad.scatter_add(1, labels_M[:, None], -(1 - lam) * w_M[:, None])
-    if fp8:
-        scale = grad.abs().amax(-1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
-        grad = ((grad / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale)
-    else:
-        grad = grad.to(logits_MV.dtype)
+    scale = grad.abs().amax(-1, keepdim=True).clamp(min=1e-12) / E4M3_MAX if fp8 else None
     loss = (((1 - lam) * ce + lam * kd_M) * w_M).sum()
-    return loss, x.argmax(-1) == labels_M, grad, (1 - 0.5 * l1).clamp(0, 1), w_M
+    return (loss, x.argmax(-1) == labels_M, _grad_out(grad, scale, logits_MV.dtype),
+            (1 - 0.5 * l1).clamp(0, 1), w_M)
 
 
 _ce_chunk_compiled = compile_on_first_call(_ce_chunk, dynamic=False)  # fixed shapes per run
