@@ -620,8 +620,7 @@ def regen_methods(args):
     """--caches x --batch_tokens -> [(cache, tokens per generate call)]: the padded caches at each
     budget, continuous batching once (it plans its own batches)."""
     import data
-    budgets = [int(b) for b in str(args.batch_tokens).split(",") if int(b)] or [
-        data.GENERATE_BATCH_TOKENS]
+    budgets = [int(b) for b in str(args.batch_tokens).split(",")]  # 0: data.generate_budget
     return [(c, b) for c in args.caches.split(",") for b in (budgets[:1] if c == "continuous"
                                                              else budgets)]
 
@@ -652,7 +651,7 @@ def bench_regen(args):
         spawn_workers(_regen_worker, args.procs, (args.procs, args, prompts, out, barrier))
         res = [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(args.procs)]
     row, rate, answers = table(f"regen {len(prompts)} prompts of {path}"), {}, {}
-    names = [c if c == "continuous" else f"{c} cache, {b} tokens a call" for c, b in
+    names = [c if c == "continuous" else f"{c} cache, {b or 'auto'} tokens a call" for c, b in
              regen_methods(args)]
     for i, first in enumerate(res[0]):
         runs, key = [r[i] for r in res], (names[i // 2], first["rep"])
@@ -775,7 +774,7 @@ def main(argv=None):
             ("--caches", "dynamic,static,continuous", "regen: data._generate's caches, in order"),
             ("--temperature", 0.0, "regen: 0 = greedy"),
             ("--batch_tokens", "0", "regen: prompt + answer tokens per generate call of the padded "
-             "caches, a list to sweep (0: data's)"),
+             "caches, a list to sweep (0: data.generate_budget, by the free memory)"),
             ("--attention", "auto", "regen: the target's attention, sdpa | sdpa_grouped_decode "
              "(auto: data.generation_attention of each cache, as data.py regenerates)")):
         # a str or an int, as its default

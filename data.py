@@ -51,7 +51,11 @@ MAX_LINE_BYTES = 16 << 20  # a longer JSONL line is refused unparsed: room for M
 READ_CHUNK = 1 << 20  # bytes of a JSON array decoded at a time: held with the record being parsed
 SMOLLM2_MASK_TOKEN_ID = 16  # `<empty_output>`: SmolLM2 has no spare embedding row; a special token chat never uses
 CACHE_VERSION = 2  # bump when the tokenized format or the masking rule changes
-GENERATE_BATCH_TOKENS = 131072  # prompt + answer tokens (padding included) of one generate call
+GENERATE_BATCH_TOKENS = 131072  # prompt + answer tokens (padding included) of one generate call on a CPU
+# on a GPU (batch_tokens 0 = auto, generate_budget): the KV cache of a call may take this share of the free memory
+# (counted twice: the dynamic cache concatenates a copy each step), up to GENERATE_MAX_TOKENS. On an H200 524,288
+# tokens a call ran 1.39x as fast as 131,072 over the same 1,024 prompts (docs/LOG.md); more is not measured
+GENERATE_MEMORY, GENERATE_MAX_TOKENS, GENERATE_MIN_TOKENS = 0.25, 524288, 8192
 # a dynamic sub-batch's rows (prompt + answer budget) are at most this many times its shortest: a
 # large token budget never pads a whole batch to one long prompt (1,048,576 tokens a call without
 # this bound: 0.39x the throughput of 131,072 on an H200, chitchat prompts of thousands of tokens
@@ -485,7 +489,7 @@ class RegenOptions:
     skip_invalid: bool = False  # skip (and count) broken records instead of stopping at the first
     template_kwargs: dict = field(default_factory=dict)  # the chat template's, e.g. enable_thinking
     cache: str = "dynamic"  # _generate's: dynamic | static (compiled on a GPU) | continuous
-    batch_tokens: int = GENERATE_BATCH_TOKENS  # prompt + answer tokens of one generate call (padded)
+    batch_tokens: int = 0  # prompt + answer tokens of one generate call (padded); 0: generate_budget
 
 
 def _sub_batches(lengths, max_new_tokens, cache, batch_tokens=GENERATE_BATCH_TOKENS):
@@ -511,6 +515,35 @@ def _sub_batches(lengths, max_new_tokens, cache, batch_tokens=GENERATE_BATCH_TOK
     for g in out:  # a part-filled static sub-batch: the next power of two rows, not all of them
         g[2] = min(g[2], 1 << (len(g[0]) - 1).bit_length())
     return out
+
+
+def kv_bytes_per_token(config, dtype):
+    """Bytes of KV cache one token takes in a model of this (transformers) config: keys and values
+    of every layer's key/value heads (a hybrid model's linear-attention layers counted as full:
+    an upper bound)."""
+    config = getattr(config, "text_config", config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def budget_tokens(free_bytes, per_token):
+    """The tokens of one generate call whose KV cache, twice (the dynamic cache's concatenation
+    copies it each step), fits GENERATE_MEMORY of free_bytes, within [GENERATE_MIN_TOKENS,
+    GENERATE_MAX_TOKENS]."""
+    fit = int(GENERATE_MEMORY * free_bytes / (2 * per_token))
+    return max(GENERATE_MIN_TOKENS, min(GENERATE_MAX_TOKENS, fit))
+
+
+def generate_budget(model):
+    """RegenOptions.batch_tokens 0 (auto) for `model`: GENERATE_BATCH_TOKENS on a CPU; on a GPU
+    budget_tokens of its free memory now (what this process's allocator holds unused counted
+    free), so a smaller GPU, or one shared by more processes, gets smaller calls."""
+    if model.device.type != "cuda":
+        return GENERATE_BATCH_TOKENS
+    free, _ = torch.cuda.mem_get_info(model.device)
+    free += torch.cuda.memory_reserved(model.device) - torch.cuda.memory_allocated(model.device)
+    return budget_tokens(free, kv_bytes_per_token(model.config, model.dtype))
 
 
 def _prompt_ids(tokenizer, prompts, template_kwargs):
@@ -554,9 +587,8 @@ def _generate(model, tokenizer, prompts, opts=RegenOptions()):
 def _generate_padded(model, tokenizer, texts, ids, how, opts):
     """The generated token ids of every prompt, in order, by `generate` over _sub_batches,
     left-padded (a finished answer's row runs on, padded, until its sub-batch ends)."""
-    rows = [None] * len(texts)
-    for g, P, n in _sub_batches([len(x) for x in ids], opts.max_new_tokens, opts.cache,
-                                opts.batch_tokens):
+    rows, budget = [None] * len(texts), opts.batch_tokens or generate_budget(model)
+    for g, P, n in _sub_batches([len(x) for x in ids], opts.max_new_tokens, opts.cache, budget):
         batch = [texts[i] for i in g] + [texts[g[0]]] * (n - len(g))  # repeats fill the rows
         enc = tokenizer(batch, add_special_tokens=False, padding="max_length" if P else True,
                         max_length=P, padding_side="left", return_tensors="pt").to(model.device)
@@ -731,6 +763,9 @@ def _regen_worker(rank, world, paths, device, dtype, opts):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     attention = generation_attention(opts.cache)
     model, tokenizer = load_for_generation(model_path, device, dtype, attention)
+    if opts.cache != "continuous" and not opts.batch_tokens:  # resolved once, and said
+        opts = replace(opts, batch_tokens=generate_budget(model))
+        print(f"regenerate rank {rank}: {opts.batch_tokens} tokens a generate call (auto, {device})")
     stats = regenerate(model, tokenizer, in_path, out_path, opts, rank=rank, world=world)
     print(f"regenerate rank {rank}: {json.dumps({k: round(v, 2) for k, v in stats.items()})}")
 
@@ -860,7 +895,7 @@ def demo_settings(device, world=1):
             # written all the same. Dynamic cache: nothing compiles it on a CPU
             corpus=dict(prompts, n_train=128, n_eval=32, n_sharegpt_train=0, max_new_tokens=64,
                         batch_size=32, samples=0, cache="dynamic",
-                        batch_tokens=GENERATE_BATCH_TOKENS, max_train_tokens=cpu_max_length),
+                        batch_tokens=0, max_train_tokens=cpu_max_length),
             # all but one process hold the target, one trains (launch.sh starts 3: the real recipe's
             # path over gloo). Block 2: on 2 cores the LM head over anchors x block rows is the
             # cost and only offset 1 is accepted this early (block 4 1.18, block 16 1.04). 64
@@ -880,7 +915,7 @@ def demo_settings(device, world=1):
         # ran 0.70x as fast on an H200 (`python bench.py regen`). batch_size: records per write
         corpus=dict(prompts, n_train=4395, n_eval=256, n_sharegpt_train=0, max_new_tokens=256,
                     batch_size=2048, samples=2, cache="dynamic", procs_per_gpu=2,
-                    batch_tokens=GENERATE_BATCH_TOKENS, max_train_tokens=gpu_max_length),
+                    batch_tokens=0, max_train_tokens=gpu_max_length),
         # 3,504 steps of 16 on either corpus: the chitchat-only recipe's budget (4.3 epochs of its
         # 13,050 answers, the reference recipe's ~6 minutes on one H200 at our speed). D-PACE
         # weights and a rank-128 Markov head: held-out tau 4.47 where decay with no head gives
@@ -1023,7 +1058,8 @@ def main(argv=None):
         q.add_argument("--batch_size", type=int)
         q.add_argument("--max_new_tokens", type=int)
         q.add_argument("--batch_tokens", type=int, help="prompt + answer tokens of one generate "
-                       f"call, padding included (default {GENERATE_BATCH_TOKENS})")
+                       f"call, padding included (default: {GENERATE_BATCH_TOKENS} on a CPU, on a "
+                       f"GPU by its free memory, at most {GENERATE_MAX_TOKENS})")
         q.add_argument("--cache", choices=["dynamic", "static", "continuous"], help="generation: "
                        "dynamic (default) | static (compiled on a GPU) | continuous (batching)")
     d.add_argument("--cache_dir", help="default: $DFLASH_CACHE or ~/.cache/dflash-trainer")
@@ -1059,7 +1095,7 @@ def main(argv=None):
     elif a.cmd == "regenerate":
         opts = RegenOptions(a.batch_size or 16, a.max_new_tokens or 512, a.temperature, a.seed,
                             a.skip_invalid, a.chat_kwargs, a.cache or "dynamic",
-                            a.batch_tokens or GENERATE_BATCH_TOKENS)
+                            a.batch_tokens or 0)
         regenerate_file(a.model, a.data, a.out, opts, a.device, a.procs, a.dtype)
     else:
         tokenize_cli(a)

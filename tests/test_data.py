@@ -947,6 +947,29 @@ def test_generate_token_budget_keeps_answers_and_order(target, tmp_path):
     assert [o["messages"][1]["content"] for o in outs] == whole[0]
 
 
+def test_generate_budget_by_memory(target):
+    """batch_tokens 0 (auto): the KV cache a token takes, by hand (SmolLM2: 30 layers x keys and
+    values x 3 heads x 64 x 2 bytes in bf16; a Qwen3 config's own head_dim, not hidden / heads); a
+    call's tokens are 0.25 of the free memory over twice that, within [8,192, 524,288]; a CPU keeps
+    GENERATE_BATCH_TOKENS, and an auto budget answers as the explicit one."""
+    from transformers import LlamaConfig, Qwen3Config
+    smol = LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3)
+    assert data.kv_bytes_per_token(smol, torch.bfloat16) == 30 * 2 * 3 * 64 * 2 == 23040
+    qwen = Qwen3Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=128)
+    assert data.kv_bytes_per_token(qwen, torch.float32) == 2 * 2 * 2 * 128 * 4
+    assert data.budget_tokens(141e9, 23040) == 524288  # an H200: the cap
+    assert data.budget_tokens(22 * 2**30, 23040) == int(0.25 * 22 * 2**30 / 46080) == 128159  # a 24 GB GPU
+    assert data.budget_tokens(2**30, 23040) == 8192  # the floor
+    model, tok = target
+    assert data.generate_budget(model) == data.GENERATE_BATCH_TOKENS == 131072
+    prompts = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "What is 2+2?"}]]
+    opts = data.RegenOptions(max_new_tokens=6)
+    assert opts.batch_tokens == 0
+    assert data._generate(model, tok, prompts, opts) == data._generate(
+        model, tok, prompts, replace(opts, batch_tokens=131072))
+
+
 def test_grouped_decode_attention_answers_as_sdpa(tiny_target, monkeypatch):
     """Regeneration's attention (target.GROUPED_SDPA: a decoding step of a grouped-query target
     attends with the KV cache as it is, the query heads sharing a key head as its query rows) gives
