@@ -619,7 +619,6 @@ def _regen_worker(rank, world, args, prompts, out, barrier):
 def regen_methods(args):
     """--caches x --batch_tokens -> [(cache, tokens per generate call)]: the padded caches at each
     budget, continuous batching once (it plans its own batches)."""
-    import data
     budgets = [int(b) for b in str(args.batch_tokens).split(",")]  # 0: data.generate_budget
     return [(c, b) for c in args.caches.split(",") for b in (budgets[:1] if c == "continuous"
                                                              else budgets)]

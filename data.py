@@ -524,7 +524,7 @@ def kv_bytes_per_token(config, dtype):
     config = getattr(config, "text_config", config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
 
 
 def budget_tokens(free_bytes, per_token):

@@ -50,9 +50,9 @@ def _ce_chunk(logits_MV, labels_M, w_M, dpace=None, fp8=False):
         w_M = dpace_weights(ce.detach(), w_M, *dpace)
     grad = torch.exp(x - lse[:, None]) * w_M[:, None]
     grad = grad.scatter_add(1, labels_M[:, None], -w_M[:, None])
-    scale = (w_M.abs() * -torch.expm1(-ce.clamp(min=0))).clamp(min=1e-12)[:, None] / E4M3_MAX
-    return (ce * w_M).sum(), x.argmax(-1) == labels_M, _grad_out(grad, scale if fp8 else None,
-                                                                  logits_MV.dtype)
+    scale = ((w_M.abs() * -torch.expm1(-ce.clamp(min=0))).clamp(min=1e-12)[:, None] / E4M3_MAX
+             if fp8 else None)
+    return (ce * w_M).sum(), x.argmax(-1) == labels_M, _grad_out(grad, scale, logits_MV.dtype)
 
 
 def _grad_out(grad, scale, dtype):
