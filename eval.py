@@ -80,7 +80,8 @@ def draft(drafter, target, block_1K, new_hidden_1TC, cache, start, how):
     x_1KD = F.embedding(block_1K, target.get_input_embeddings().weight)  # raw rows, exactly as dflash_loss embeds
     h_1KD, cache = drafter.forward_cached(x_1KD, new_hidden_1TC, cache, start)
     logits = target.get_output_embeddings()(h_1KD[:, 1:])  # offset 0 is the clean anchor: its output is unused
-    toks, conf = drafter.draft_tokens(logits, h_1KD[:, 1:], block_1K[:, 0], lambda x: pick(x, how))
+    toks, conf = drafter.draft_tokens(logits, h_1KD[:, 1:], block_1K[:, 0], lambda x: pick(x, how),
+                                      target.get_input_embeddings().weight)
     return toks, cache, conf
 
 

@@ -228,6 +228,9 @@ def head_loss(rows, head, drafter, opts):
         raise ValueError("LossOptions.extra: the fused loss computes its own terms only; use the "
                          "plain path (train.py --loss_impl=plain, or LossOptions(head_loss=None))")
     cfg = drafter.cfg
+    if cfg.domino_gru_dim:
+        raise ValueError("a Domino head trains on the plain path (train.py --loss_impl=plain, or "
+                         "LossOptions(head_loss=None)): the fused loss has no term for it")
     teacher = opts.kd != "none" or cfg.confidence_head
     if teacher and rows.teacher_MD is None:
         raise ValueError("kd / confidence_head need the target's final hidden states "

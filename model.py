@@ -192,6 +192,10 @@ class DrafterConfig:
     # DSpark's acceptance predictor (ConfidenceHead) on [h ; markov_w1[previous token]]; needs a
     # Markov head: both engines serve it only inside their DSpark drafter, fed that concatenation
     confidence_head: bool = False
+    # > 0: Domino's causal correction (DominoHead): a GRU of this width over the block's tokens so
+    # far and an MLP through domino_emb_dim to the vocabulary, added to each offset's logits
+    domino_gru_dim: int = 0
+    domino_emb_dim: int = 256
 
     def __post_init__(self):
         if self.layer_types is None:
@@ -209,6 +213,9 @@ class DrafterConfig:
         if self.confidence_head and not self.markov_rank:
             raise ValueError("confidence_head needs markov_rank > 0: vLLM and SGLang serve a "
                              "confidence head only on a DSpark drafter, fed [h ; markov_w1[prev]]")
+        if self.domino_gru_dim and (self.markov_rank or self.domino_emb_dim <= 0):
+            raise ValueError("domino_gru_dim > 0 (a Domino head) needs markov_rank 0 (one correction "
+                             f"head: Domino or DSpark) and domino_emb_dim > 0, got {self.domino_emb_dim}")
 
     def num_params(self):
         """The drafter's trainable parameters, from the config alone (the memory plan's, before
@@ -218,6 +225,8 @@ class DrafterConfig:
         q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
         layer = D * (2 * q + 2 * kv + 3 * F) + 2 * D + 2 * self.head_dim
         heads = 2 * V * r + self.confidence_head * (D + r + 1)
+        G, E = self.domino_gru_dim, self.domino_emb_dim
+        heads += bool(G) * (3 * G * (D + G) + E * (D + G) + E * V)
         return len(self.target_layer_ids) * D * D + L * layer + 2 * D + heads
 
     def to_json_dict(self):
@@ -236,9 +245,17 @@ class DrafterConfig:
         nested = {**dspark, "projector_type": "dspark", "attention_mode": "gqa" if gqa else "mha"}
         head = {**dspark, "sample_from_anchor": False, "mask_token_id": self.mask_token_id,
                 "target_layer_ids": list(self.target_layer_ids)} if self.markov_rank else {}
+        # a Domino head as SpecForge's DominoDraftModel reads one (specforge/modeling/draft/
+        # domino.py): projector_type domino, its two widths, our block layout (offset k corrected
+        # from the tokens at offsets 0..k-1: shift_label false, no uncorrected prefix)
+        domino = {"projector_type": "domino", "emb_dim": self.domino_emb_dim,
+                  "gru_hidden_dim": self.domino_gru_dim, "pure_draft_prefix_len": 0,
+                  "shift_label": False} if self.domino_gru_dim else {}
+        arch = ("Qwen3DSparkModel" if self.markov_rank else
+                "DominoDraftModel" if self.domino_gru_dim else "DFlashDraftModel")
         return {
             # no auto_map: the engines register these names themselves
-            "architectures": ["Qwen3DSparkModel" if self.markov_rank else "DFlashDraftModel"], **head,
+            "architectures": [arch], **head, **({"emb_dim": self.domino_emb_dim} if domino else {}),
             "model_type": "qwen3", **own("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                                          "num_key_value_heads", "head_dim"),
             "hidden_act": "silu", **own("rms_norm_eps", "attention_bias"), "attention_dropout": 0.0,
@@ -258,7 +275,7 @@ class DrafterConfig:
             "dflash_config": {"mask_token_id": self.mask_token_id,
                               "target_layer_ids": list(self.target_layer_ids),
                               "block_size": self.block_size,
-                              **(nested if self.markov_rank else {})},
+                              **(nested if self.markov_rank else {}), **domino},
         }
 
     @classmethod
@@ -278,6 +295,11 @@ class DrafterConfig:
                   markov_rank=dc.get("markov_rank", d.get("markov_rank", 0)),
                   confidence_head=bool(dc.get("enable_confidence_head",
                                               d.get("enable_confidence_head", False))))
+        if dc.get("projector_type") == "domino":
+            if dc.get("shift_label", False) or dc.get("pure_draft_prefix_len", 0):
+                raise ValueError(f"{where}: a Domino head with shift_label true or pure_draft_prefix_len "
+                                 f"> 0 is not a form this trainer builds (ours: false, 0)")
+            kw.update(domino_gru_dim=int(dc["gru_hidden_dim"]), domino_emb_dim=int(dc["emb_dim"]))
         with_markov = (dc.get("confidence_head_with_markov"), d.get("confidence_head_with_markov"))
         if kw["confidence_head"] and False in with_markov:
             raise ValueError(f"{where}: a confidence head on the hidden state alone (confidence_"
@@ -371,6 +393,21 @@ class ConfidenceHead(nn.Module):
         return self.proj(x).float().squeeze(-1)
 
 
+class DominoHead(nn.Module):
+    """Domino's causal correction (SpecForge `DominoDraftModel`): offset k's logits get
+    embed_proj([h_k ; g_k]), g_k the state of a GRU (no biases) that has read the target's
+    embeddings of the block's tokens at offsets 0..k-1, embed_proj = Linear(D + G, E), SiLU,
+    Linear(E, V). Training feeds the true tokens (draft_rows); drafting goes left to right
+    (DFlashDrafter.draft_tokens). The drafter holds the two parts under these names, as the
+    released checkpoints do: prefix_gru.weight_{ih,hh}_l0, embed_proj.{0,2}.weight."""
+
+    def __init__(self, hidden, gru_dim, emb_dim, vocab):
+        super().__init__()
+        self.prefix_gru = nn.GRU(hidden, gru_dim, num_layers=1, batch_first=True, bias=False)
+        self.embed_proj = nn.Sequential(nn.Linear(hidden + gru_dim, emb_dim, bias=False), nn.SiLU(),
+                                        nn.Linear(emb_dim, vocab, bias=False))
+
+
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -383,6 +420,9 @@ class DFlashDrafter(nn.Module):
             self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank)
         if cfg.confidence_head:
             self.confidence_head = ConfidenceHead(cfg.hidden_size + cfg.markov_rank)
+        if cfg.domino_gru_dim:  # flat names, as SpecForge's DominoDraftModel holds them
+            d = DominoHead(cfg.hidden_size, cfg.domino_gru_dim, cfg.domino_emb_dim, cfg.vocab_size)
+            self.prefix_gru, self.embed_proj = d.prefix_gru, d.embed_proj
         # fp32 buffer, not a weight (persistent=False keeps it out of the checkpoint); see _apply below
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
                              persistent=False)
@@ -406,12 +446,21 @@ class DFlashDrafter(nn.Module):
             layer.self_attn.inv_freq = self.inv_freq
         return self
 
-    def draft_tokens(self, logits_BKV, h_BKD, first_B, pick):
+    def draft_tokens(self, logits_BKV, h_BKD, first_B, pick, embed_VD=None):
         """A block's drafted tokens from the logits of offsets 1..K-1 [B, K-1, V] and their normed
         hidden [B, K-1, D] -> (tokens [B, K-1], the confidence head's probabilities [K-1] for
-        batch row 0, None without one). pick(logits [..., V]) chooses. No Markov head: every
-        offset at once; with one, left to right from first (the anchor), each drafted token the
-        next one's previous, as DSpark drafts."""
+        batch row 0, None without one). pick(logits [..., V]) chooses. No Markov or Domino head:
+        every offset at once; with one, left to right from first (the anchor), each drafted token
+        the next one's previous, as DSpark and Domino draft. embed_VD: the target's embedding
+        table (a Domino head reads the drafted tokens through it)."""
+        if self.cfg.domino_gru_dim:
+            toks, state = [first_B], None
+            for k in range(logits_BKV.shape[1]):
+                e_B1D = F.embedding(toks[-1], embed_VD)[:, None].to(h_BKD.dtype)
+                g_B1G, state = self.prefix_gru(e_B1D, state)
+                fix = self.embed_proj(torch.cat([h_BKD[:, k], g_B1G[:, 0]], -1))
+                toks.append(pick(logits_BKV[:, k] + fix.to(logits_BKV.dtype)))
+            return torch.stack(toks[1:], 1), None
         if not self.cfg.markov_rank:
             return pick(logits_BKV), None
         toks = [first_B]
@@ -591,6 +640,9 @@ class LossOptions:
     kd_weight: float = 0.9  # with l1: DSpark's CE 0.1 + L1 0.9 (DeepSpec's recipes)
     # the confidence head's BCE, added under the same row weights (DSpark: 1.0)
     confidence_weight: float = 1.0
+    # a Domino head's blend, per row (1 - base_weight) CE(corrected logits) + base_weight CE(the
+    # LM head's alone); train.domino_base_weight decays it over the run, as SpecForge does
+    base_weight: float = 0.0
 
     def __post_init__(self):
         if self.weighting not in ("decay", "dpace") or self.backend not in ("sdpa", "flex"):
@@ -599,6 +651,8 @@ class LossOptions:
         if self.kd not in ("none", "kl", "l1") or not 0 <= self.kd_weight <= 1:
             raise ValueError(f"LossOptions: kd={self.kd!r} (none | kl | l1), "
                              f"kd_weight={self.kd_weight} (in [0, 1])")
+        if not 0 <= self.base_weight <= 1:
+            raise ValueError(f"LossOptions: base_weight={self.base_weight} (in [0, 1])")
 
 
 @dataclass(frozen=True)
@@ -610,6 +664,9 @@ class Rows:
     valid_M: torch.Tensor  # bool: supervised
     decay_M: torch.Tensor  # valid * exp(-(k-1)/gamma)
     prev_M: torch.Tensor  # the true token before the row's: the Markov head's input
+    # the Domino head's GRU state after the block's true tokens before the row's [M, G] (offset
+    # 0: zeros, unsupervised); None without one
+    prefix_MG: torch.Tensor | None
     # the target's final state at the row's label position - 1 (whose next-token distribution is
     # the label's), [M, D]; None without LossBatch.final_BSD
     teacher_MD: torch.Tensor | None
@@ -638,13 +695,18 @@ def draft_rows(drafter, embed_VD, batch, opts):
     out_BQD = drafter(x_BQD, hidden_BSC, pos_BQ, masks)
     labels, valid, decay = block_labels(ids_BS, mask_BS, anchors_BN, keep_BN, K, opts.gamma)
     prev = torch.cat([labels[:, :, :1], labels[:, :, :-1]], -1)  # offset 1's: the anchor token
+    prefix = None
+    if cfg.domino_gru_dim:  # the GRU reads offsets 0..K-2's true tokens: its k-th state is offset k+1's
+        e = F.embedding(labels[:, :, :-1].reshape(B * N, K - 1), embed_VD).to(out_BQD.dtype)
+        g = drafter.prefix_gru(e)[0]  # [B*N, K-1, G]
+        prefix = torch.cat([g.new_zeros(B * N, 1, g.shape[-1]), g], 1).reshape(B * N * K, -1)
     teacher = None
     if final_BSD is not None:  # the label at anchor+k is the target's prediction at anchor+k-1
         at_BQ = (pos_BQ - 1).clamp(0, S - 1)  # offset 0 (unsupervised) reads the anchor-1's
         teacher = final_BSD.gather(1, at_BQ[:, :, None].expand(-1, -1, final_BSD.shape[-1]))
         teacher = teacher.reshape(B * N * K, -1)
     return Rows(out_MD=out_BQD.reshape(B * N * K, -1), labels_M=labels.view(-1),
-                valid_M=valid.view(-1), decay_M=decay.view(-1), prev_M=prev.view(-1),
+                valid_M=valid.view(-1), decay_M=decay.view(-1), prev_M=prev.view(-1), prefix_MG=prefix,
                 teacher_MD=teacher, K=K, chunk_rows=(opts.chunk_blocks or N) * K)
 
 
@@ -675,12 +737,19 @@ def chunk_loss(rows, head, drafter, opts):
     logits_MV = head_logits(rows.out_MD, head)
     if cfg.markov_rank:
         logits_MV = logits_MV + drafter.markov_head(rows.prev_M)
+    base_MV = logits_MV
+    if cfg.domino_gru_dim:
+        fix_MV = drafter.embed_proj(torch.cat([rows.out_MD, rows.prefix_MG.to(rows.out_MD.dtype)], -1))
+        logits_MV = logits_MV + fix_MV.to(logits_MV.dtype)
     ce_M = F.cross_entropy(logits_MV.float(), rows.labels_M, reduction="none")  # fp32, as fused
     if opts.weighting == "dpace":
         w_M = dpace_weights(ce_M.detach(), rows.valid_M.float(), rows.K, opts.alpha)
     else:
         w_M = rows.decay_M
     per_row_M = ce_M
+    if cfg.domino_gru_dim and opts.base_weight:  # Domino's blend: the LM head alone is supervised too
+        base_ce_M = F.cross_entropy(base_MV.float(), rows.labels_M, reduction="none")
+        per_row_M = (1 - opts.base_weight) * ce_M + opts.base_weight * base_ce_M
     if opts.kd != "none" or cfg.confidence_head:
         if rows.teacher_MD is None:
             raise ValueError("kd / confidence_head need the target's final hidden states "
@@ -689,7 +758,7 @@ def chunk_loss(rows, head, drafter, opts):
             p_MV = torch.softmax(head_logits(rows.teacher_MD, head).float(), -1)
         kd_M, label_M = target_terms(logits_MV, p_MV, opts.kd)
         if kd_M is not None:
-            per_row_M = (1 - opts.kd_weight) * ce_M + opts.kd_weight * kd_M
+            per_row_M = (1 - opts.kd_weight) * per_row_M + opts.kd_weight * kd_M
         if cfg.confidence_head:
             z_M = drafter.confidence_logits(rows.out_MD, rows.prev_M)
             bce_M = F.binary_cross_entropy_with_logits(z_M, label_M, reduction="none")

@@ -59,6 +59,14 @@ class Config:
     # DSpark's confidence head (model.ConfidenceHead): per drafted position, the chance the
     # target accepts it; the engines size verification from it. Needs markov_rank > 0
     confidence_head: bool = False
+    # > 0: Domino's causal correction of this GRU width (model.DominoHead; SpecForge's Domino uses
+    # a quarter of the hidden size), through domino_emb_dim to the vocabulary. Plain loss path only
+    domino_gru_dim: int = 0
+    domino_emb_dim: int = 256
+    # Domino's blend: the LM head's own CE weighs domino_base_start at step 0, falling linearly
+    # to 0 by domino_base_decay of the run; the corrected logits' CE weighs the rest (SpecForge)
+    domino_base_start: float = 1.0
+    domino_base_decay: float = 0.5
     init_drafter: str = ""  # start from this released-format drafter instead of a random init
     # data
     data: str = "train.jsonl"  # conversations, JSONL or JSON array (OpenAI messages or ShareGPT)
@@ -248,7 +256,7 @@ def train_drafter(cfg, d, side, run):
     checkpoint."""
     schedule = drafter_schedule(d, cfg.grad_accum, run.start, run.total)
     for step in range(run.start, run.total):
-        s, length = accumulate(step, cfg, side, schedule)
+        s, length = accumulate(step, cfg, side, schedule, run.total)
         s = reduce_stats(s, d)
         lr = lr_at(cfg, step, run.total)
         t0 = time.perf_counter()
@@ -266,16 +274,19 @@ def train_drafter(cfg, d, side, run):
     run.finish()
 
 
-def accumulate(step, cfg, side, schedule):
-    """The grad_accum micro-batches of optimizer step `step` on this drafter rank: forward, loss,
-    backward of the un-normalized weighted CE (the optimizer divides) -> (summed statistics, last
-    length)."""
+def accumulate(step, cfg, side, schedule, steps=0):
+    """The grad_accum micro-batches of optimizer step `step` (of `steps`) on this drafter rank:
+    forward, loss, backward of the un-normalized weighted CE (the optimizer divides) -> (summed
+    statistics, last length)."""
+    opts = side.opts
+    if cfg.domino_gru_dim:
+        opts = dataclasses.replace(opts, base_weight=domino_base_weight(cfg, step, steps))
     total = None
     for _ in range(cfg.grad_accum):
         m = next(schedule)
         batch, hidden, target_s = side.source.get(m)
         t0 = time.perf_counter()
-        r = drafter_loss(cfg, side, batch, hidden, m)
+        r = drafter_loss(cfg, side, batch, hidden, m, opts)
         r["loss_sum"].backward()
         s = {k: v.detach().double().cpu() for k, v in r.items()}  # .cpu() synchronizes
         seconds = time.perf_counter() - t0
@@ -286,7 +297,7 @@ def accumulate(step, cfg, side, schedule):
     return total, batch["input_ids"].shape[1]
 
 
-def drafter_loss(cfg, side, batch, hidden_BSC, m):
+def drafter_loss(cfg, side, batch, hidden_BSC, m, opts=None):
     """Forward and loss of micro-batch m -> dflash_loss's sums, not yet backpropagated. Its anchors
     depend only on (seed, m): the same sequences get the same blocks whatever the topology."""
     gen = torch.Generator(hidden_BSC.device).manual_seed(cfg.seed * 1_000_003 + m)
@@ -296,7 +307,7 @@ def drafter_loss(cfg, side, batch, hidden_BSC, m):
     final_BSD = hidden_BSC[..., C:] if hidden_BSC.shape[-1] > C else None
     inputs = LossBatch(batch["input_ids"], batch["loss_mask"], hidden_BSC[..., :C], anchors_BN,
                        keep_BN, final_BSD)
-    return dflash_loss(side.drafter, side.tables, inputs, side.opts)
+    return dflash_loss(side.drafter, side.tables, inputs, opts or side.opts)
 
 
 @dataclass
@@ -503,6 +514,12 @@ SHAPE = [
     ("confidence_head", lambda c, t: not c.confidence_head or c.markov_rank > 0,
      "needs markov_rank > 0 (vLLM and SGLang serve a confidence head only on a DSpark "
      "drafter, fed the Markov embedding)", ["markov_rank"]),
+    ("domino_gru_dim", lambda c, t: 0 <= c.domino_gru_dim <= 16384, "must be in [0, 16384] (0: no Domino head)"),
+    ("domino_gru_dim", lambda c, t: not c.domino_gru_dim or (c.markov_rank == 0 and c.loss_impl == "plain"),
+     "a Domino head needs markov_rank=0 (one correction head) and loss_impl=plain (the fused loss "
+     "has no term for it)", ["markov_rank", "loss_impl"]),
+    *_each(["domino_emb_dim"], lambda x: 1 <= x <= 16384, "must be in [1, 16384]"),
+    *_each(["domino_base_start", "domino_base_decay"], lambda x: 0 <= x <= 1, "must be in [0, 1]"),
     ("init_drafter",
      lambda c, t: not c.init_drafter or all(os.path.isfile(os.path.join(c.init_drafter, f))
                                             for f in ("config.json", "model.safetensors")),
@@ -722,7 +739,18 @@ def drafter_layers(cfg):
     return dict(num_hidden_layers=L, block_size=cfg.block_size,
                 layer_types=["sliding_attention"] * n + ["full_attention"] * (L - n),
                 sliding_window=cfg.sliding_window if n else None, markov_rank=cfg.markov_rank,
-                confidence_head=cfg.confidence_head)
+                confidence_head=cfg.confidence_head, domino_gru_dim=cfg.domino_gru_dim,
+                domino_emb_dim=cfg.domino_emb_dim)
+
+
+def domino_base_weight(cfg, step, total):
+    """Domino's weight on the LM head's own CE at optimizer step `step` (0-based) of `total`:
+    domino_base_start, falling linearly to 0 at domino_base_decay * total, then 0 (SpecForge
+    `linear_lambda_base`). No Domino head, or no horizon: 0."""
+    if not cfg.domino_gru_dim or total <= 0:
+        return 0.0
+    ramp = max(1, int(total * cfg.domino_base_decay))
+    return max(0.0, min(1.0, cfg.domino_base_start * (1 - min(step / ramp, 1.0))))
 
 
 def loss_options(cfg, device):

@@ -1,6 +1,7 @@
 """eval.py: speculative decoding is lossless, acceptance is counted right, the CLI loads a checkpoint and writes
 its JSON + PNG. Tiny random targets built from configs (no hub), CPU, fp32 unless a test says otherwise."""
 
+import dataclasses
 import copy
 import json
 import re
@@ -92,34 +93,59 @@ def test_lossless_random_drafter(arch):
             assert res["tau"] == 1.0 and res["pos_accept"] == []
 
 
-def test_markov_head_drafts_left_to_right_and_stays_lossless(llama):
-    """A drafter with a Markov head drafts offset k from its backbone logits plus the head's bias of the token it
-    drafted at k-1 (the anchor before offset 1), written out here; greedy decoding with it is lossless in fp32."""
-    target, _ = llama
-    drafter = tiny_drafter(target, block_size=8, markov_rank=4)
-    with torch.no_grad():  # a head that matters: a large bias, so a wrong previous token changes the argmax
-        for w in drafter.markov_head.parameters():
-            w.normal_(0, 3.0)
+def _drafts_left_to_right(drafter, target, head_logits):
+    """One block (K = 8) drafted by ev.draft equals the tokens chosen here left to right, offset k's
+    from head_logits(k, its backbone logits, its normed state, the tokens so far: the anchor and
+    the drafts before k); the head changed them; greedy decoding with it is lossless in fp32."""
     p = prompts()[2]
     with torch.inference_mode():
         out = target(input_ids=torch.tensor([p]), output_hidden_states=True)
         hidden = features(out.hidden_states, drafter.cfg.target_layer_ids)
         block = torch.full((1, 8), MASK)
         block[0, 0] = p[-1]
-        toks, _, conf = ev.draft(drafter, target, block, hidden[:, :-1], None, len(p) - 1,
-                                 ev.Decoding(0))
+        toks, _, conf = ev.draft(drafter, target, block, hidden[:, :-1], None, len(p) - 1, ev.Decoding(0))
         assert conf is None  # no confidence head
-        h, _ = drafter.forward_cached(torch.nn.functional.embedding(block, target.get_input_embeddings().weight),
-                                      hidden[:, :-1], None, len(p) - 1)
-        logits, prev, want = target.get_output_embeddings()(h[0, 1:]), p[-1], []
+        emb = target.get_input_embeddings().weight
+        h, _ = drafter.forward_cached(torch.nn.functional.embedding(block, emb), hidden[:, :-1], None, len(p) - 1)
+        logits, seen = target.get_output_embeddings()(h[0, 1:]), [p[-1]]
         for k in range(7):
-            want.append(int((logits[k] + drafter.markov_head(torch.tensor(prev))).argmax()))
-            prev = want[-1]
-        assert toks[0].tolist() == want
-        assert want != logits.argmax(-1).tolist()  # the head changed the drafts
-    res = ev.evaluate(target, None, drafter, prompts(),
-                      ev.EvalOptions(MAX_NEW, eos_ids=[EOS], warmup=False))
+            seen.append(int(head_logits(k, logits[k], h[0, 1 + k], seen).argmax()))
+        assert toks[0].tolist() == seen[1:]
+        assert seen[1:] != logits.argmax(-1).tolist()  # the head changed the drafts
+    res = ev.evaluate(target, None, drafter, prompts(), ev.EvalOptions(MAX_NEW, eos_ids=[EOS], warmup=False))
     assert res["lossless"] is True
+
+
+def test_markov_head_drafts_left_to_right_and_stays_lossless(llama):
+    """A drafter with a Markov head drafts offset k from its backbone logits plus the head's bias of
+    the token it drafted at k-1 (the anchor before offset 1)."""
+    target, _ = llama
+    drafter = tiny_drafter(target, block_size=8, markov_rank=4)
+    with torch.no_grad():  # a head that matters: a large bias, so a wrong previous token changes the argmax
+        for w in drafter.markov_head.parameters():
+            w.normal_(0, 3.0)
+    _drafts_left_to_right(drafter, target,
+                          lambda k, z, h, seen: z + drafter.markov_head(torch.tensor(seen[-1])))
+
+
+def test_domino_head_drafts_left_to_right_and_stays_lossless(llama):
+    """A drafter with a Domino head drafts offset k from its backbone logits plus embed_proj([h_k ;
+    g_k]), g_k the GRU's state after the target's embeddings of the anchor and the tokens it drafted
+    at 1..k-1 (the GRU stepped here by hand from its weights)."""
+    from test_model import _gru_by_hand
+    target, _ = llama
+    torch.manual_seed(1)
+    cfg = dataclasses.replace(tiny_drafter(target, block_size=8).cfg, domino_gru_dim=12, domino_emb_dim=20)
+    drafter = DFlashDrafter(cfg).eval()
+    with torch.no_grad():  # a correction that matters: a wrong previous token changes the argmax
+        for i in (0, 2):
+            drafter.embed_proj[i].weight.normal_(0, 1.0)
+    emb, gru = target.get_input_embeddings().weight, drafter.prefix_gru
+
+    def head(k, z, h, seen):
+        g = _gru_by_hand(emb[seen], gru.weight_ih_l0, gru.weight_hh_l0)[-1]
+        return z + drafter.embed_proj(torch.cat([h, g]))
+    _drafts_left_to_right(drafter, target, head)
 
 
 def test_confidence_calibration_on_hand_made_cycles():

@@ -839,3 +839,96 @@ def test_num_params_counts_the_built_drafter(rank, confidence, layers):
                         markov_rank=rank, confidence_head=confidence, layer_types=layers,
                         sliding_window=4 if layers else None)
     assert cfg.num_params() == sum(p.numel() for p in DFlashDrafter(cfg).parameters())
+
+
+def _gru_by_hand(x_TD, w_ih, w_hh):
+    """torch's GRU without biases, step by step: gates (r, z, n) in that row order, h_0 = 0."""
+    G, h, out = w_hh.shape[1], x_TD.new_zeros(w_hh.shape[1]), []
+    for x in x_TD:
+        (ir, iz, i_n), (hr, hz, hn) = (x @ w_ih.t()).split(G), (h @ w_hh.t()).split(G)
+        r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
+        h = (1 - z) * torch.tanh(i_n + r * hn) + z * h
+        out.append(h)
+    return torch.stack(out)
+
+
+def _domino_setup(seed):
+    drafter, tables, batch = _loss_setup(seed)
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(dataclasses.replace(drafter.cfg, domino_gru_dim=12, domino_emb_dim=20))
+    with torch.no_grad():  # a correction that matters next to the LM head's logits
+        drafter.embed_proj[2].weight.normal_(0, 1.0)
+    return drafter, tables, batch
+
+
+@pytest.mark.parametrize("chunk", [0, 3])
+@pytest.mark.parametrize("base_weight", [0.0, 0.4, 1.0])
+def test_domino_head_loss_and_gradients_match_a_hand_written_gru(base_weight, chunk):
+    """A Domino head (GRU 12, MLP 20): offset k's logits = lm_head(h_k) + W2 silu(W1 [h_k ; g_k]),
+    g_k the GRU state (written out here, step by step) after the target's embeddings of the true
+    tokens at anchor + 0..k-1; loss_sum = sum_k w_k ((1 - b) CE(corrected) + b CE(LM head alone)).
+    Every gradient equals autograd's of that sum; at b = 1 the head gets none."""
+    drafter, tables, batch = _domino_setup(3)
+    K, ids, anchors = drafter.cfg.block_size, batch.input_ids_BS, batch.anchors_BN
+    opts = LossOptions(chunk_blocks=chunk, base_weight=base_weight)
+    r, grads = _loss_and_grads(drafter, tables, batch, opts)
+    out, labels, _, w = _forward(drafter, tables, batch)
+    w_ih, w_hh = drafter.prefix_gru.weight_ih_l0, drafter.prefix_gru.weight_hh_l0
+    g = []
+    for b in range(2):
+        for a in anchors[b]:
+            toks = [int(ids[b, min(int(a) + j, 29)]) for j in range(K - 1)]
+            g.append(torch.cat([torch.zeros(1, 12), _gru_by_hand(tables.embed_VD[toks], w_ih, w_hh)]))
+    h = out.reshape(-1, D)
+    base = h @ tables.head_VD.t()
+    w1, w2 = drafter.embed_proj[0].weight, drafter.embed_proj[2].weight
+    fixed = base + F.silu(torch.cat([h, torch.cat(g)], -1) @ w1.t()) @ w2.t()
+    ce = [F.cross_entropy(x, labels.reshape(-1), reduction="none") for x in (fixed, base)]
+    ref = (((1 - base_weight) * ce[0] + base_weight * ce[1]) * w.reshape(-1)).sum()
+    _same_loss_and_gradients(drafter, r, grads, ref)
+    head = [n for n in grads if n.startswith(("prefix_gru", "embed_proj"))]
+    assert sorted(head) == ["embed_proj.0.weight", "embed_proj.2.weight", "prefix_gru.weight_hh_l0",
+                            "prefix_gru.weight_ih_l0"]
+    assert all((grads[n].abs().sum() > 0) == (base_weight < 1) for n in head)
+    # the statistics count the corrected logits' argmax
+    hit = (fixed.argmax(-1) == labels.reshape(-1)) & _forward(drafter, tables, batch)[2].reshape(-1)
+    assert r["correct_K"].sum() == hit.sum()
+
+
+def test_domino_needs_the_plain_path_and_one_head():
+    drafter, tables, batch = _domino_setup(1)
+    with pytest.raises(ValueError, match="Domino head trains on the plain path"):
+        dflash_loss(drafter, tables, batch, FUSED)
+    with pytest.raises(ValueError, match="markov_rank 0"):
+        dataclasses.replace(tiny_cfg(), domino_gru_dim=8, markov_rank=4)
+    with pytest.raises(ValueError, match="base_weight"):
+        LossOptions(base_weight=1.5)
+
+
+def test_domino_checkpoint_is_specforges_domino_drafter(tmp_path):
+    """SpecForge's DominoDraftModel reads dflash_config.projector_type domino, emb_dim,
+    gru_hidden_dim, shift_label, pure_draft_prefix_len and the flat names prefix_gru.weight_ih_l0
+    [3G, D], weight_hh_l0 [3G, G], embed_proj.0 [E, D + G], embed_proj.2 [V, E]; ours is the
+    unshifted layout (offset k from the tokens 0..k-1) with no uncorrected prefix. load_drafter
+    gives the same drafter back; a shifted head is refused by name."""
+    cfg = dataclasses.replace(tiny_cfg(), domino_gru_dim=12, domino_emb_dim=20)
+    drafter = DFlashDrafter(cfg)
+    save_drafter(drafter, tmp_path, dtype=None)
+    c = json.loads((tmp_path / "config.json").read_text())
+    assert c["architectures"] == ["DominoDraftModel"] and c["emb_dim"] == 20
+    assert {k: c["dflash_config"][k] for k in ("projector_type", "emb_dim", "gru_hidden_dim", "shift_label",
+                                                "pure_draft_prefix_len")} == {
+        "projector_type": "domino", "emb_dim": 20, "gru_hidden_dim": 12, "shift_label": False,
+        "pure_draft_prefix_len": 0}
+    from safetensors import safe_open
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys() if k.startswith(("prefix", "embed"))}
+    assert shapes == {"prefix_gru.weight_ih_l0": [36, D], "prefix_gru.weight_hh_l0": [36, 12],
+                      "embed_proj.0.weight": [20, D + 12], "embed_proj.2.weight": [V, 20]}
+    back = load_drafter(tmp_path)
+    assert back.cfg == cfg and all(torch.equal(a, b) for a, b in zip(back.state_dict().values(),
+                                                                      drafter.state_dict().values()))
+    assert cfg.num_params() == sum(p.numel() for p in drafter.parameters())
+    c["dflash_config"]["shift_label"] = True
+    with pytest.raises(ValueError, match="shift_label true"):
+        DrafterConfig.from_json_dict(c)

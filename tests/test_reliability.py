@@ -349,6 +349,9 @@ INVALID = [
     ("confidence weight negative", dict(confidence_weight=-1.0), "confidence_weight"),
     ("confidence head without a Markov head", dict(confidence_head=True, loss_impl="plain"),
      "confidence_head"),
+    ("domino on the fused path", dict(domino_gru_dim=8), "domino_gru_dim"),
+    ("domino beside a Markov head", dict(domino_gru_dim=8, markov_rank=4, loss_impl="plain"), "domino_gru_dim"),
+    ("domino base weight past 1", dict(domino_base_start=1.5), "domino_base_start"),
     ("more than any machine holds", dict(max_length=2 ** 20, num_anchors=2 ** 19), "num_anchors"),  # memory check
 ]
 

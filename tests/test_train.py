@@ -340,6 +340,28 @@ def test_markov_head_trains_through_train_py(tiny_target, convs, tmp_path):
     assert rows[-1]["loss"] < rows[0]["loss"]
 
 
+def test_domino_head_trains_through_train_py(tiny_target, convs, tmp_path):
+    """--domino_gru_dim=8 on the plain loss path, one process: the run ends, its checkpoint is a
+    Domino drafter that loads with the head, whose weights moved from their init once the LM
+    head's own CE stopped weighing everything (1, 2/3, 1/3, then 0 over 6 steps at decay 0.5), and
+    the loss fell."""
+    from model import load_drafter
+    assert [train.domino_base_weight(train.Config(domino_gru_dim=8), s, 6) for s in range(6)] == \
+        pytest.approx([1, 2 / 3, 1 / 3, 0, 0, 0])
+    assert train.domino_base_weight(train.Config(domino_gru_dim=8, domino_base_start=0.5), 1, 10) == \
+        pytest.approx(0.4)
+    assert train.domino_base_weight(train.Config(), 0, 6) == 0  # no Domino head
+    p, _ = run_train(tiny_target, convs, tmp_path, 1, "--max_steps=6", "--domino_gru_dim=8",
+                     "--domino_emb_dim=16", "--loss_impl=plain", "--lr=3e-3")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    init, last = (load_drafter(tmp_path / "r" / n) for n in ("init", "ckpt-0000006"))
+    assert last.cfg.domino_gru_dim == 8 and last.cfg.domino_emb_dim == 16 and init.cfg == last.cfg
+    for name in ("prefix_gru.weight_ih_l0", "embed_proj.2.weight"):
+        assert not torch.equal(init.state_dict()[name], last.state_dict()[name]), name
+    rows = metrics(tmp_path)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
 def test_fp8_trains_through_train_py(tiny_target, convs, tmp_path):
     """--fp8=tensorwise (emulated on CPU) with --fp8_head (real e4m3 matmuls): the run ends, its losses stay within
     FP8 rounding of the run without them (same seed and data) while differing from them, and its checkpoint is a
