@@ -85,13 +85,16 @@ def test_flex_loss_equals_sdpa_loss_and_no_recompiles():
 
 
 @cuda
-def test_train_colocated_cuda_compiled_layers(tiny_target, convs, tmp_path):
-    """train.py on one GPU, bf16, compiled drafter layers with flex inside: it runs, the loss is finite and falls,
-    and after warm-up no step compiles anything (the log line would say RECOMPILES=)."""
+@pytest.mark.parametrize("head", [[], ["--domino_gru_dim=16", "--loss_impl=plain"]], ids=["dflash", "domino"])
+def test_train_colocated_cuda_compiled_layers(tiny_target, convs, tmp_path, head):
+    """train.py on one GPU, bf16, compiled drafter layers with flex inside (and a Domino head's GRU
+    beside them): it runs, the loss is finite and falls, and after warm-up no step compiles anything
+    (the log line would say RECOMPILES=)."""
     # 32 anchors x 4 = 128 block tokens: every length has >= 2 KV tiles (one tile is a graph of its own,
     # tests/test_attention.py::test_compiled_block_mask_single_kv_tile_compiles_once_more)
     p, _ = run_train(tiny_target, convs, tmp_path, 1, "--device=cuda", "--dtype=bfloat16", "--max_steps=12",
-                     "--max_length=96", "--num_anchors=32", "--batch_size=2", "--pad_multiple=16", timeout=600)
+                     "--max_length=96", "--num_anchors=32", "--batch_size=2", "--pad_multiple=16", *head,
+                     timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(x) for x in open(tmp_path / "r" / "metrics.jsonl")]
     assert len(rows) == 12 and all(math.isfinite(r["loss"]) for r in rows)
@@ -101,18 +104,20 @@ def test_train_colocated_cuda_compiled_layers(tiny_target, convs, tmp_path):
 
 
 @cuda
-@pytest.mark.parametrize("impl", ["fused", "plain"])
-@pytest.mark.parametrize("weighting,markov_rank", [("dpace", 0), ("decay", 16), ("dpace", 16)])
-def test_loss_variants_on_cuda_equal_cpu(weighting, markov_rank, impl):
-    """D-PACE weights and the Markov head inside the compiled fused CE (or the plain autograd path)
-    on CUDA give the CPU loss and gradients (fp32 weights, chunked). Fresh compile caches: earlier
-    tests' graphs count toward the recompile limit."""
+@pytest.mark.parametrize("impl,weighting,markov_rank,domino", [
+    (impl, w, r, 0) for impl in ("fused", "plain") for w, r in (("dpace", 0), ("decay", 16), ("dpace", 16))]
+    + [("plain", "dpace", 0, 64)])  # a Domino head: plain path only
+def test_loss_variants_on_cuda_equal_cpu(weighting, markov_rank, impl, domino):
+    """D-PACE weights and the Markov head inside the compiled fused CE (or the plain autograd path),
+    and a Domino head (cuDNN's GRU) on the plain path, on CUDA give the CPU loss and gradients (fp32
+    weights, chunked). Fresh compile caches: earlier tests' graphs count toward the recompile limit."""
     torch._dynamo.reset()
     configure_compile()
     torch.manual_seed(0)
     cfg = DrafterConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=64, vocab_size=1000, block_size=16, mask_token_id=999,
-                        target_layer_ids=[1, 3], num_target_layers=4, markov_rank=markov_rank)
+                        target_layer_ids=[1, 3], num_target_layers=4, markov_rank=markov_rank,
+                        domino_gru_dim=domino)
     cpu = DFlashDrafter(cfg)
     gpu = DFlashDrafter(cfg).cuda()
     gpu.load_state_dict(cpu.state_dict())
@@ -123,7 +128,8 @@ def test_loss_variants_on_cuda_equal_cpu(weighting, markov_rank, impl):
     for d, dev, backend in ((cpu, "cpu", "sdpa"), (gpu, "cuda", "flex")):
         e, h, *batch = [t.to(dev) for t in (embed, head, ids, lm, hidden, anchors, keep)]
         opts = LossOptions(weighting=weighting, chunk_blocks=8, backend=backend,
-                           head_loss=fused.head_loss if impl == "fused" else None)
+                           head_loss=fused.head_loss if impl == "fused" else None,
+                           base_weight=0.3 if domino else 0.0)
         r = dflash_loss(d, Tables(e, h), LossBatch(*batch), opts)
         r["loss_sum"].backward()
         out.append((r["loss_sum"].item(), r["weight_sum"].item(), [p.grad.cpu() for p in d.parameters()]))
