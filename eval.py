@@ -667,11 +667,36 @@ def prompt_sha(ids):
     return hashlib.sha256(json.dumps([int(t) for t in ids]).encode()).hexdigest()[:16]
 
 
-def compare(base_path, new_path, resamples=5000):
-    """Two eval.json of the same prompts (eval.py --compare BASE NEW) -> per set and for the macro
-    mean: tau of each, the paired difference NEW - BASE and the relative gain, each with a 95%
-    interval from resampling the prompts (the same draw for both runs; every set on its own for
-    the macro mean; seeded), and the prompts each run is ahead on."""
+def compare(base_path, *new_paths, resamples=5000):
+    """eval.json files of the same prompts (eval.py --compare BASE NEW [NEW ...]) -> for each NEW
+    against BASE (compare_two); one NEW: its result, several: {path: result}, and a race table
+    (one row per run: each set's tau, the macro mean, its gain over BASE with the interval)."""
+    outs = {p: compare_two(base_path, p, resamples) for p in new_paths}
+    if len(new_paths) == 1:
+        return outs[new_paths[0]]
+    sets = [k for k in outs[new_paths[0]] if k != "macro mean"]
+    def name(path):  # a run's eval.json: its folder; another file: its own name
+        path = os.path.abspath(path)
+        stem = os.path.splitext(os.path.basename(path))[0]
+        return os.path.basename(os.path.dirname(path)) if stem == "eval" else stem
+    print(f"\n{'run':<16}" + "".join(f"{k[:12]:>13}" for k in sets) + f"{'macro':>9}  gain over {name(base_path)}")
+    first = outs[new_paths[0]]
+    print(f"{name(base_path):<16}" + "".join(f"{first[k]['base']:>13.3f}" for k in sets)
+          + (f"{first['macro mean']['base']:>9.3f}" if "macro mean" in first else ""))
+    for p, o in outs.items():
+        m = o.get("macro mean", o[sets[0]])
+        print(f"{name(p):<16}" + "".join(f"{o[k]['new']:>13.3f}" for k in sets)
+              + (f"{o['macro mean']['new']:>9.3f}" if "macro mean" in o else "")
+              + f"  {m['gain']:+.1%} [{m['gain_ci95'][0]:+.1%}, {m['gain_ci95'][1]:+.1%}]")
+    return outs
+
+
+def compare_two(base_path, new_path, resamples=5000):
+    """Two eval.json of the same prompts -> per set and for the macro mean: tau of each, the paired
+    difference NEW - BASE and the relative gain, each with a 95% interval from resampling the
+    prompts (the same draw for both runs; every set on its own for the macro mean; seeded), and
+    the prompts each run is ahead on."""
+    print(f"{new_path} against {base_path}:")
     runs = []
     for path in (base_path, new_path):
         with open(path) as f:
@@ -788,8 +813,9 @@ def _args(argv):
     arg("--no_baseline", dest="check_lossless", action="store_false",
         help="no plain decoding: no speedup, no check")
     arg("--out", help="default: out/eval; with --watch: RUN/eval; with --demo: RUN")
-    arg("--compare", nargs=2, metavar=("BASE", "NEW"), help="two eval.json of the same prompts: "
-        "the paired difference NEW - BASE per set and of the macro mean, with intervals")
+    arg("--compare", nargs="+", metavar="EVAL_JSON", help="BASE NEW [NEW ...]: eval.json files of the same "
+        "prompts: each NEW's paired difference from BASE per set and of the macro mean, with intervals; "
+        "several NEW: also one table of all")
     arg("--workers", type=int, default=1, help="processes sharing the device, worker k taking prompts k, k+N, ...")
     a = p.parse_args(argv)
     if run := a.watch or a.demo:  # new defaults, explicit flags still winning: the run's target and training data
@@ -802,6 +828,8 @@ def _args(argv):
         p.set_defaults(data=f"{data.default_cache_dir()}/chitchat_eval.jsonl", **data.demo_settings(a.device)["eval"])
     a = p.parse_args(argv)
     if a.compare:
+        if len(a.compare) < 2:
+            p.error("--compare needs BASE and at least one NEW eval.json")
         return a
     for bad, message in ((a.data is None and not a.bench, "--data or --bench is required"),
                          (a.target is None, "--target is required"),

@@ -901,6 +901,13 @@ def test_compare_pairs_runs_prompt_by_prompt(tmp_path):
     assert lo < 0.5 < hi
     with pytest.raises(SystemExit, match="set 'y': not the same prompts"):
         ev.main(["--compare", base, run("other", [1.0, 2.0, 3.0], [2.0, 2.0], "pz")])
+    # a race: several runs against one base, each paired as alone, and one table of all
+    third = run("third", [1.0, 2.0, 3.0], [3.0, 3.0])
+    race = ev.main(["--compare", base, new, third])
+    assert race[new] == out and race[third]["y"]["diff"] == pytest.approx(1.0)
+    assert race[third]["macro mean"]["gain"] == pytest.approx((2.0 + 3.0) / (2.0 + 2.0) - 1)
+    with pytest.raises(SystemExit):
+        ev.main(["--compare", base])
 
 
 def _bench_files(tmp_path):
