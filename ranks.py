@@ -200,6 +200,7 @@ def memory_estimate(cfg, dcfg, target_config, targets_per_node, num_anchors=None
     D, F, V, K, L = dcfg.hidden_size, dcfg.intermediate_size, dcfg.vocab_size, dcfg.block_size, dcfg.num_hidden_layers
     q, kv = dcfg.num_attention_heads * dcfg.head_dim, dcfg.num_key_value_heads * dcfg.head_dim
     nK, fin, P = len(dcfg.target_layer_ids), final_states(cfg, dcfg), dcfg.num_params()
+    G, E = dcfg.domino_gru_dim, dcfg.domino_emb_dim
     R, C = B * N * K, B * S  # block rows, context positions
     chunk = min((cfg.loss_chunk or N) * K, R)  # rows per LM-head chunk
     tc = target_config.get_text_config()
@@ -214,6 +215,9 @@ def memory_estimate(cfg, dcfg, target_config, targets_per_node, num_anchors=None
                          "target states": C * nS * D * b + fin * R * D * b,
                          "activations": (L * (R * (4 * D + 3 * q + 3 * kv + 3 * F) + (C + R) * 3 * kv) + C * 2 * D) * b,
                          "LM-head chunk": chunk * V * (2 * b + 8 + fin * (b + 12)) + R * D * b,
+                         # a Domino head: the GRU's inputs, gates and states and the MLP's per row; per
+                         # chunk its logits, their sum with the LM head's, the base CE's fp32 softmax
+                         "Domino head": bool(G) * (R * (D + 5 * G + 2 * E) * b + chunk * V * (2 * b + 4)),
                          # CPU: SDPA with a dense [B, 1, Q, KV] mask materializes the scores of every layer type
                          "dense attention": 0 if on_gpu(cfg.device) else B * (dcfg.num_attention_heads * 2 * b + 2)
                          * N * K * (S + N * K) * len(set(dcfg.layer_types))},

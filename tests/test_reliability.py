@@ -634,6 +634,23 @@ def test_memory_estimate_counts_the_final_states(valid, target_meta):
     assert b["drafter"]["LM-head chunk"] - a["drafter"]["LM-head chunk"] == pytest.approx(chunk)
 
 
+def test_memory_estimate_counts_a_domino_head(valid, target_meta):
+    """A Domino head (GRU G = 16, MLP E = 8): its parameters in the drafter's state, and per block
+    row (D + 5G + 2E) activations, per LM-head chunk two more bf16 logits and the base CE's fp32
+    softmax (2 * 2 + 4 bytes a logit). Exact differences, written out here."""
+    import ranks
+    tc, tok = target_meta
+    plain = train.Config(**valid, loss_impl="plain")
+    dom = train.Config(**valid, loss_impl="plain", domino_gru_dim=16, domino_emb_dim=8)
+    a, b = (ranks.memory_estimate(c, train.drafter_cfg(c, tc, tok), tc, 2) for c in (plain, dom))
+    R, D, V, G, E = 8 * 4, 64, 49152, 16, 8
+    assert a["drafter"]["Domino head"] == 0
+    want = (R * (D + 5 * G + 2 * E) * 2 + R * V * 8) / ranks.GiB
+    assert b["drafter"]["Domino head"] == pytest.approx(want)
+    params = 3 * G * (D + G) + E * (D + G) + E * V
+    assert b["drafter"]["state"] - a["drafter"]["state"] == pytest.approx(params * (2 * 2 + 4 + 12) / ranks.GiB)
+
+
 def test_plan_prints_each_roles_memory_and_the_largest_num_anchors_per_length(valid, target_meta, capsys):
     """--plan, from the target's config alone: the memory lines of the start-up check, and per max_length the
     largest num_anchors that fits a GPU of the stated size, which the start-up check confirms (it passes, one more
