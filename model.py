@@ -729,10 +729,10 @@ def target_terms(logits_MV, p_MV, kd):
 
 
 def chunk_loss(rows, head, drafter, opts):
-    """One chunk of whole blocks: the logits (LM head + the Markov head's bias), the weights
-    (decay's, or D-PACE's from the detached CE), sum_m w_m CE_m (+ the target-distribution and
-    confidence terms, + opts.extra) -> (that sum, correct_M). A new loss that needs the logits
-    starts here."""
+    """One chunk of whole blocks: the logits (LM head + the Markov or Domino head's bias), the
+    weights (decay's, or D-PACE's from the detached CE), sum_m w_m CE_m (+ Domino's blend with the
+    LM head's own CE, the target-distribution and confidence terms, opts.extra) -> (that sum,
+    correct_M). A new loss that needs the logits starts here."""
     cfg = drafter.cfg
     logits_MV = head_logits(rows.out_MD, head)
     if cfg.markov_rank:
