@@ -368,33 +368,53 @@ class Models:
     dtype: torch.dtype | None = None
 
 
-def _worker(k, n, models, prompts, opts, out_dir):
-    """Worker k of n: its own target and drafter, prompts k::n, results written to out_dir/k.json."""
+def _worker(k, n, models, jobs, out_dir):
+    """Worker k of n: its own target and drafter, of each job (prompts, options) the prompts k::n,
+    one job after another (no wait between them); results written to out_dir/k.json."""
     if torch.device(models.device).type == "cpu":  # share the cores instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
     target, tok = load_for_generation(models.target, models.device, models.dtype)
     dtype = next(target.parameters()).dtype
     drafter = load_drafter(models.drafter, models.device, dtype) if models.drafter else None
-    t0 = time.time()  # wall clock, comparable across processes: the decoding phase spans all workers' intervals
-    res = evaluate(target, tok, drafter, prompts[k::n], opts, indices=range(k, len(prompts), n))
+    done = []
+    for prompts, opts in jobs:
+        if k >= len(prompts):  # a job of fewer prompts than workers: none of it is this worker's
+            done.append(None)
+            continue
+        t0 = time.time()  # wall clock, comparable across processes: a job's decoding spans its workers' intervals
+        res = evaluate(target, tok, drafter, prompts[k::n], opts, indices=range(k, len(prompts), n))
+        done.append(dict(res=res, t=[t0, time.time()]))
     with open(os.path.join(out_dir, f"{k}.json"), "w") as f:
-        json.dump(dict(res=res, t=[t0, time.time()]), f)
+        json.dump(done, f)
 
 
 def evaluate_parallel(models, prompts, workers, opts=EvalOptions()):
     """evaluate() by `workers` processes sharing the device (batch-1 decoding leaves it idle between
     kernel launches). Speeds: spec_tok_s of one stream under contention, aggregate_spec_tok_s of
     all. A failing worker fails the call."""
-    n, t0 = min(workers, len(prompts)), time.time()
+    return evaluate_parallel_jobs(models, [(prompts, opts)], workers)[0]
+
+
+def evaluate_parallel_jobs(models, jobs, workers):
+    """evaluate_parallel for several (prompts, options) jobs, e.g. the sets of --bench, by one set of
+    workers: loaded once, each going on to its share of the next job as soon as it is done with
+    the last (one start-up, one tail). Each job's results are exactly evaluate_parallel's;
+    wall_s: from the call's start to the job's last prompt."""
+    n, t0 = min(workers, max(len(p) for p, _ in jobs)), time.time()
     # convert once, here: N workers converting into one folder would race
     if str(models.target).endswith(".gguf"):
         models = replace(models, target=convert_gguf(models.target))
     with tempfile.TemporaryDirectory() as tmp:
-        data.spawn_workers(_worker, n, (n, models, prompts, opts, tmp), keep=(LosslessError,))
+        data.spawn_workers(_worker, n, (n, models, jobs, tmp), keep=(LosslessError,))
         parts = [json.load(open(os.path.join(tmp, f"{k}.json"))) for k in range(n)]
-    res = _merge([p["res"] for p in parts])
-    phase = max(p["t"][1] for p in parts) - min(p["t"][0] for p in parts)
-    return dict(res, wall_s=time.time() - t0, aggregate_spec_tok_s=res["new_tokens"] / phase)  # wall_s: with start-up
+    out = []
+    for j, (prompts, _) in enumerate(jobs):  # workers past a job's prompt count decoded none of it
+        mine = [p[j] for p in parts[:min(n, len(prompts))]]
+        res = _merge([p["res"] for p in mine])
+        end = max(p["t"][1] for p in mine)
+        out.append(dict(res, wall_s=end - t0,
+                        aggregate_spec_tok_s=res["new_tokens"] / (end - min(p["t"][0] for p in mine))))
+    return out
 
 
 def summary(res):
@@ -856,13 +876,24 @@ def flag_seen(res, prompts, keys):
         res.update(tau_figures(rest, "_unseen"))
 
 
-def evaluate_sets(sets, decode, tokenizer, keys=None, seed=0, **template_kwargs):
+def evaluate_sets(sets, decode, tokenizer, keys=None, seed=0, decode_all=None, **template_kwargs):
     """bench_sets' [(name, file, items)] -> {"sets": name -> results, "macro": their macro mean};
-    decode and the rest as evaluate_set takes them, keys as flag_seen."""
-    results = {}
+    decode and the rest as evaluate_set takes them, keys as flag_seen. decode_all([(ids, seed),
+    ...]) -> [results, ...], given: the single-turn sets decoded by one call (one set of workers
+    for all of them), each exactly as evaluate_set would."""
+    results, single = {}, [s for s in sets if max(map(len, s[2])) == 1] if decode_all else []
+    if len(single) > 1:
+        ids = [([render(tokenizer, item[0], **template_kwargs) for item in items], seed)
+               for _, _, items in single]
+        print(f"{', '.join(name for name, _, _ in single)}: decoded together", flush=True)
+        together = {name: (res, [item[0] for item in items])
+                    for (name, _, items), res in zip(single, decode_all(ids))}
     for name, path, items in sets:
         print(f"{name}: {len(items)} items from {path}", flush=True)
-        res, msgs = evaluate_set(items, decode, tokenizer, seed, **template_kwargs)
+        if len(single) > 1 and name in together:
+            res, msgs = together[name]
+        else:
+            res, msgs = evaluate_set(items, decode, tokenizer, seed, **template_kwargs)
         res["config"].update(data=path, chat_kwargs=template_kwargs)
         flag_seen(res, msgs, keys)
         results[name] = res
@@ -889,16 +920,17 @@ def evaluate_cli(a):
     tokenizer = functools.cache(  # --bench renders and decodes turns in this process
         lambda: load_tokenizer(convert_gguf(a.target) if gguf else a.target))
 
+    def tagged(res, drafter_path):
+        res["config"].update(target=str(a.target), drafter=drafter_path, data=a.data, train_data=a.train_data)
+        return res
+
     def decode(drafter_path, ps, **override):  # ps: message lists or token ids
         o = replace(opts, **override)
         if a.workers > 1:
-            res = evaluate_parallel(replace(models, drafter=drafter_path), ps, a.workers, o)
-        else:
-            t, tok = target()
-            drafter = load_drafter(drafter_path, t.device, next(t.parameters()).dtype) if drafter_path else None
-            res = evaluate(t, tok, drafter, ps, o)
-        res["config"].update(target=str(a.target), drafter=drafter_path, data=a.data, train_data=a.train_data)
-        return res
+            return tagged(evaluate_parallel(replace(models, drafter=drafter_path), ps, a.workers, o), drafter_path)
+        t, tok = target()
+        drafter = load_drafter(drafter_path, t.device, next(t.parameters()).dtype) if drafter_path else None
+        return tagged(evaluate(t, tok, drafter, ps, o), drafter_path)
 
     def run(drafter_path, **override):
         print(f"evaluating {drafter_path or 'the target alone'}: {len(sets or prompts)} "
@@ -908,8 +940,15 @@ def evaluate_cli(a):
             res = decode(drafter_path, prompts, **override)
             flag_seen(res, prompts, keys)
             return res
+        decode_all = None
+        if a.workers > 1:  # the single-turn sets by one set of workers
+            def decode_all(jobs):
+                o = replace(opts, **override)
+                return [tagged(res, drafter_path) for res in evaluate_parallel_jobs(
+                    replace(models, drafter=drafter_path), [(ps, replace(o, seed=seed)) for ps, seed in jobs],
+                    a.workers)]
         res = evaluate_sets(sets, lambda ps, seed: decode(drafter_path, ps, **override, seed=seed),
-                            tokenizer(), keys, a.seed, **a.chat_kwargs)
+                            tokenizer(), keys, a.seed, decode_all, **a.chat_kwargs)
         res["config"] = dict(target=str(a.target), drafter=drafter_path, train_data=a.train_data,
                              sets={name: path for name, path, _ in sets})
         return res

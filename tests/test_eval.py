@@ -965,6 +965,29 @@ def test_cli_bench_one_json_and_plot(saved, llama, tmp_path, capsys):
     assert ev.sets_summary(res) in out and "\nmacro mean" in out
 
 
+def test_cli_bench_workers_decode_single_turn_sets_together(saved, llama, tmp_path, capsys):
+    """--bench with --workers 3: the single-turn sets (gsm8k's 3 prompts, a file of 2: one worker
+    has none of it) go to one set of workers, loaded once; each set's results are exactly a direct
+    evaluate() of its rendered prompts, sampled with the set's seeds."""
+    target, drafter = llama
+    tok, spec = tiny_tokenizer(), _bench_files(tmp_path)
+    spec = ",".join(x for x in spec.split(",") if not x.startswith("mt-bench"))
+    res = ev.main(["--target", str(saved / "target"), "--drafter", str(saved / "drafter"), "--bench", spec,
+                   "--max_new_tokens", "12", "--block_size", "4", "--device", "cpu", "--dtype", "float32",
+                   "--seed", "5", "--temperature", "1.0", "--workers", "3", "--out", str(tmp_path / "out")])
+    assert "gsm8k, conv: decoded together" in capsys.readouterr().out
+    user = lambda text: [dict(role="user", content=text)]
+    msgs = {"gsm8k": [user(q + ev.BOXED) for q in ("w9 w33 w71", "w40 w41 w42 w43", "w100")],
+            "conv": [user("w20 w21"), user("w22 w23 w24 w25")]}
+    for name, ms in msgs.items():
+        one = ev.evaluate(target, tok, drafter, [ev.render(tok, m) for m in ms],
+                          ev.EvalOptions(12, 1.0, 4, seed=5, warmup=False))
+        got = res["sets"][name]
+        for key in EXACT:
+            assert got[key] == one[key], (name, key)
+        assert got["config"]["workers"] == min(3, len(ms)) and got["wall_s"] > 0
+
+
 def test_turns_merge_into_one_set(llama):
     """Per-turn results (two items of two turns, one of one) -> one set in z-lab's order, each
     prompt tagged with its turn; counters summed, a divergence renumbered to its place in that
