@@ -881,7 +881,8 @@ def evaluate_sets(sets, decode, tokenizer, keys=None, seed=0, decode_all=None, *
     decode and the rest as evaluate_set takes them, keys as flag_seen. decode_all([(ids, seed),
     ...]) -> [results, ...], given: the single-turn sets decoded by one call (one set of workers
     for all of them), each exactly as evaluate_set would."""
-    results, single = {}, [s for s in sets if max(map(len, s[2])) == 1] if decode_all else []
+    results, together = {}, {}
+    single = [s for s in sets if max(map(len, s[2])) == 1] if decode_all else []
     if len(single) > 1:
         ids = [([render(tokenizer, item[0], **template_kwargs) for item in items], seed)
                for _, _, items in single]
@@ -890,7 +891,7 @@ def evaluate_sets(sets, decode, tokenizer, keys=None, seed=0, decode_all=None, *
                     for (name, _, items), res in zip(single, decode_all(ids))}
     for name, path, items in sets:
         print(f"{name}: {len(items)} items from {path}", flush=True)
-        if len(single) > 1 and name in together:
+        if name in together:
             res, msgs = together[name]
         else:
             res, msgs = evaluate_set(items, decode, tokenizer, seed, **template_kwargs)

@@ -192,7 +192,7 @@ class DrafterConfig:
     # DSpark's acceptance predictor (ConfidenceHead) on [h ; markov_w1[previous token]]; needs a
     # Markov head: both engines serve it only inside their DSpark drafter, fed that concatenation
     confidence_head: bool = False
-    # > 0: Domino's causal correction (DominoHead): a GRU of this width over the block's tokens so
+    # > 0: Domino's causal correction (domino_head): a GRU of this width over the block's tokens so
     # far and an MLP through domino_emb_dim to the vocabulary, added to each offset's logits
     domino_gru_dim: int = 0
     domino_emb_dim: int = 256
@@ -393,19 +393,17 @@ class ConfidenceHead(nn.Module):
         return self.proj(x).float().squeeze(-1)
 
 
-class DominoHead(nn.Module):
-    """Domino's causal correction (SpecForge `DominoDraftModel`): offset k's logits get
-    embed_proj([h_k ; g_k]), g_k the state of a GRU (no biases) that has read the target's
-    embeddings of the block's tokens at offsets 0..k-1, embed_proj = Linear(D + G, E), SiLU,
-    Linear(E, V). Training feeds the true tokens (draft_rows); drafting goes left to right
-    (DFlashDrafter.draft_tokens). The drafter holds the two parts under these names, as the
-    released checkpoints do: prefix_gru.weight_{ih,hh}_l0, embed_proj.{0,2}.weight."""
-
-    def __init__(self, hidden, gru_dim, emb_dim, vocab):
-        super().__init__()
-        self.prefix_gru = nn.GRU(hidden, gru_dim, num_layers=1, batch_first=True, bias=False)
-        self.embed_proj = nn.Sequential(nn.Linear(hidden + gru_dim, emb_dim, bias=False), nn.SiLU(),
-                                        nn.Linear(emb_dim, vocab, bias=False))
+def domino_head(hidden, gru_dim, emb_dim, vocab):
+    """Domino's causal correction (SpecForge `DominoDraftModel`) -> (prefix_gru, embed_proj):
+    offset k's logits get embed_proj([h_k ; g_k]) (DFlashDrafter.domino_bias), g_k the state of a
+    GRU (no biases) that has read the target's embeddings of the block's tokens at offsets 0..k-1,
+    embed_proj = Linear(D + G, E), SiLU, Linear(E, V). Training feeds the true tokens (draft_rows);
+    drafting goes left to right (DFlashDrafter.draft_tokens). The drafter holds the two under
+    these flat names, as the released checkpoints do: prefix_gru.weight_{ih,hh}_l0,
+    embed_proj.{0,2}.weight."""
+    return (nn.GRU(hidden, gru_dim, num_layers=1, batch_first=True, bias=False),
+            nn.Sequential(nn.Linear(hidden + gru_dim, emb_dim, bias=False), nn.SiLU(),
+                          nn.Linear(emb_dim, vocab, bias=False)))
 
 
 class DFlashDrafter(nn.Module):
@@ -420,9 +418,9 @@ class DFlashDrafter(nn.Module):
             self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank)
         if cfg.confidence_head:
             self.confidence_head = ConfidenceHead(cfg.hidden_size + cfg.markov_rank)
-        if cfg.domino_gru_dim:  # flat names, as SpecForge's DominoDraftModel holds them
-            d = DominoHead(cfg.hidden_size, cfg.domino_gru_dim, cfg.domino_emb_dim, cfg.vocab_size)
-            self.prefix_gru, self.embed_proj = d.prefix_gru, d.embed_proj
+        if cfg.domino_gru_dim:
+            self.prefix_gru, self.embed_proj = domino_head(cfg.hidden_size, cfg.domino_gru_dim,
+                                                           cfg.domino_emb_dim, cfg.vocab_size)
         # fp32 buffer, not a weight (persistent=False keeps it out of the checkpoint); see _apply below
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
                              persistent=False)
@@ -458,8 +456,7 @@ class DFlashDrafter(nn.Module):
             for k in range(logits_BKV.shape[1]):
                 e_B1D = F.embedding(toks[-1], embed_VD)[:, None].to(h_BKD.dtype)
                 g_B1G, state = self.prefix_gru(e_B1D, state)
-                fix = self.embed_proj(torch.cat([h_BKD[:, k], g_B1G[:, 0]], -1))
-                toks.append(pick(logits_BKV[:, k] + fix.to(logits_BKV.dtype)))
+                toks.append(pick(logits_BKV[:, k] + self.domino_bias(h_BKD[:, k], g_B1G[:, 0]).to(logits_BKV.dtype)))
             return torch.stack(toks[1:], 1), None
         if not self.cfg.markov_rank:
             return pick(logits_BKV), None
@@ -470,6 +467,10 @@ class DFlashDrafter(nn.Module):
         if self.cfg.confidence_head:  # on [h ; markov_w1[previous drafted token]], as engines do
             conf = torch.sigmoid(self.confidence_logits(h_BKD[0], torch.cat(toks[:-1])))
         return torch.stack(toks[1:], 1), conf
+
+    def domino_bias(self, h_MD, g_MG):
+        """The Domino head's logit bias for rows of normed hidden h whose GRU state is g."""
+        return self.embed_proj(torch.cat([h_MD, g_MG.to(h_MD.dtype)], -1))
 
     def confidence_logits(self, h_MD, prev_M):
         """The confidence head's logits for drafted rows h (normed, as the LM head reads them)
@@ -739,8 +740,7 @@ def chunk_loss(rows, head, drafter, opts):
         logits_MV = logits_MV + drafter.markov_head(rows.prev_M)
     base_MV = logits_MV
     if cfg.domino_gru_dim:
-        fix_MV = drafter.embed_proj(torch.cat([rows.out_MD, rows.prefix_MG.to(rows.out_MD.dtype)], -1))
-        logits_MV = logits_MV + fix_MV.to(logits_MV.dtype)
+        logits_MV = logits_MV + drafter.domino_bias(rows.out_MD, rows.prefix_MG).to(logits_MV.dtype)
     ce_M = F.cross_entropy(logits_MV.float(), rows.labels_M, reduction="none")  # fp32, as fused
     if opts.weighting == "dpace":
         w_M = dpace_weights(ce_M.detach(), rows.valid_M.float(), rows.K, opts.alpha)

@@ -59,7 +59,7 @@ class Config:
     # DSpark's confidence head (model.ConfidenceHead): per drafted position, the chance the
     # target accepts it; the engines size verification from it. Needs markov_rank > 0
     confidence_head: bool = False
-    # > 0: Domino's causal correction of this GRU width (model.DominoHead; SpecForge's Domino uses
+    # > 0: Domino's causal correction of this GRU width (model.domino_head; SpecForge's Domino uses
     # a quarter of the hidden size), through domino_emb_dim to the vocabulary. Plain loss path only
     domino_gru_dim: int = 0
     domino_emb_dim: int = 256

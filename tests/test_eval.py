@@ -1,7 +1,6 @@
 """eval.py: speculative decoding is lossless, acceptance is counted right, the CLI loads a checkpoint and writes
 its JSON + PNG. Tiny random targets built from configs (no hub), CPU, fp32 unless a test says otherwise."""
 
-import dataclasses
 import copy
 import json
 import re
@@ -38,11 +37,11 @@ def tiny_target(arch="llama", seed=0):
     return LlamaForCausalLM(LlamaConfig(**kw)).eval()
 
 
-def tiny_drafter(target, block_size=16, seed=1, markov_rank=0, confidence_head=False):
+def tiny_drafter(target, block_size=16, seed=1, **heads):
+    """heads: DrafterConfig's head fields (markov_rank, confidence_head, domino_gru_dim, ...)."""
     torch.manual_seed(seed)
     cfg = drafter_config_from_target(target.config, None, num_hidden_layers=2, mask_token=MASK,
-                                     block_size=block_size, markov_rank=markov_rank,
-                                     confidence_head=confidence_head,
+                                     block_size=block_size, **heads,
                                      target_layer_ids=[1, 2])  # 4 layers: ids set here
     return DFlashDrafter(cfg).eval()
 
@@ -134,9 +133,7 @@ def test_domino_head_drafts_left_to_right_and_stays_lossless(llama):
     at 1..k-1 (the GRU stepped here by hand from its weights)."""
     from test_model import _gru_by_hand
     target, _ = llama
-    torch.manual_seed(1)
-    cfg = dataclasses.replace(tiny_drafter(target, block_size=8).cfg, domino_gru_dim=12, domino_emb_dim=20)
-    drafter = DFlashDrafter(cfg).eval()
+    drafter = tiny_drafter(target, block_size=8, domino_gru_dim=12, domino_emb_dim=20)
     with torch.no_grad():  # a correction that matters: a wrong previous token changes the argmax
         for i in (0, 2):
             drafter.embed_proj[i].weight.normal_(0, 1.0)
