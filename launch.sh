@@ -2,8 +2,9 @@
 # The one command:  bash launch.sh [--field=value ...]   (the arguments go to train.py)
 #                   bash launch.sh test [pytest args]   (the CPU test suite, in the same environment)
 #   8+ GPUs, or NNODES > 1: the real recipe (train.py's Config: 5 target + 3 drafter ranks a node); add --target= --data=
-#   1-7 GPUs, or none: the demo (SmolLM2-135M, chitchat; data.demo_settings): its corpus,
-#     training, then the held-out tau of the trained drafter next to the untrained one's (eval.py --demo)
+#   1-7 GPUs, or none: the demo (SmolLM2-135M; GPU: ShareGPT + chitchat, CPU: chitchat; data.demo_settings): its
+#     corpus, training, then the held-out tau of the trained drafter next to the untrained one's (eval.py --demo;
+#     GPU: on HumanEval and the held-out ShareGPT and chitchat prompts)
 # Environment, all optional: DFLASH_OUT (out), DFLASH_RUN (demo-<time>), DFLASH_PYTHON (default: .venv, made here),
 #   DFLASH_NGPU (all visible). Several nodes, the same command on each:
 #   NNODES=2 NODE_RANK=<0|1> MASTER_ADDR=<node 0 address> [MASTER_PORT=29500] bash launch.sh --target=... --data=...
