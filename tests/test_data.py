@@ -854,7 +854,7 @@ def test_demo_settings(monkeypatch, tmp_path):
     assert s["corpus"]["n_sharegpt_train"] == 0 and data.demo_settings("cuda")["corpus"]["n_sharegpt_train"] == 4000
     for cores, workers, cpu_workers in ((1, 1, 1), (2, 1, 2), (6, 3, 2), (64, 8, 2)):  # CPU: a worker per core, <= 2
         monkeypatch.setattr(os, "cpu_count", lambda: cores)
-        assert data.demo_settings("cuda")["eval"] == dict(limit=64, max_new_tokens=256, workers=workers,
+        assert data.demo_settings("cuda")["eval"] == dict(limit=32, max_new_tokens=256, workers=workers,
                                                           bench="humaneval,sharegpt,chitchat")
         assert "bench" not in data.demo_settings("cpu")["eval"]
         assert data.demo_settings("cpu")["eval"]["workers"] == cpu_workers

@@ -1036,5 +1036,5 @@ def test_cli_demo_with_bench(saved, llama, tmp_path, monkeypatch, capsys):
     # launch.sh's GPU demo evaluates the three sets by default, the CPU one the held-out chitchat
     # prompts (the arguments only: no device is touched)
     gpu, cpu = (ev._args(["--demo", str(run), "--device", dev]) for dev in ("cuda", "cpu"))
-    assert (gpu.bench, gpu.limit) == ("humaneval,sharegpt,chitchat", 64)
+    assert (gpu.bench, gpu.limit) == ("humaneval,sharegpt,chitchat", 32)
     assert cpu.bench is None and cpu.data == str(tmp_path / "chitchat_eval.jsonl")
