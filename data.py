@@ -930,7 +930,7 @@ def demo_settings(device, world=1):
         # batch-1 decoding of a 135M target is launch-bound: the prompts go to several processes.
         # The first 32 prompts of HumanEval and of the held-out ShareGPT and chitchat ones: the
         # untrained drafter and the plain baseline decode ~256 steps a prompt, so 96 prompts cost
-        # ~1.4x the 64 chitchat ones of the chitchat-only demo (BENCHMARKS.md's figures: 128 a set)
+        # ~1.6x the 64 chitchat ones of the chitchat-only demo (BENCHMARKS.md's figures: 128 a set)
         eval=dict(limit=32, max_new_tokens=256, bench="humaneval,sharegpt,chitchat",
                   workers=min(8, max(1, (os.cpu_count() or 1) // 2))))
 
