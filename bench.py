@@ -143,9 +143,9 @@ def optimizer_bytes(optim):
 
 def micro_steps(cfg, side, lengths):
     """train.py's micro-batches (train.accumulate: forward, loss, backward, statistics) at these
-    lengths -> their statistics. Each is step 0 of a run of max_steps (at least 1), so a schedule on
-    the step sits where a run starts: a Domino head's blend with the LM head's own CE at its start
-    weight, the costlier phase (a second CE over the vocabulary)."""
+    lengths -> their statistics. Each is step 0 of a run of max_steps (at least 1): a schedule on
+    the step sits where a run starts (a Domino head's blend with the LM head's own CE at its start
+    weight, the costlier phase: a second CE over the vocabulary)."""
     steps = max(cfg.max_steps, 1)
     return [train.accumulate(0, cfg, side, iter([S] * cfg.grad_accum), steps)[0] for S in lengths]
 

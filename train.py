@@ -274,10 +274,10 @@ def train_drafter(cfg, d, side, run):
     run.finish()
 
 
-def accumulate(step, cfg, side, schedule, steps=0):
-    """The grad_accum micro-batches of optimizer step `step` (of `steps`) on this drafter rank:
-    forward, loss, backward of the un-normalized weighted CE (the optimizer divides) -> (summed
-    statistics, last length)."""
+def accumulate(step, cfg, side, schedule, steps):
+    """The grad_accum micro-batches of optimizer step `step` of the run's `steps` on this drafter
+    rank: forward, loss, backward of the un-normalized weighted CE (the optimizer divides) ->
+    (summed statistics, last length)."""
     opts = side.opts
     if cfg.domino_gru_dim:
         opts = dataclasses.replace(opts, base_weight=domino_base_weight(cfg, step, steps))
@@ -746,8 +746,8 @@ def drafter_layers(cfg):
 def domino_base_weight(cfg, step, total):
     """Domino's weight on the LM head's own CE at optimizer step `step` (0-based) of `total`:
     domino_base_start, falling linearly to 0 at domino_base_decay * total, then 0 (SpecForge
-    `linear_lambda_base`). No Domino head, or no horizon: 0."""
-    if not cfg.domino_gru_dim or total <= 0:
+    `linear_lambda_base`). No Domino head: 0."""
+    if not cfg.domino_gru_dim:
         return 0.0
     ramp = max(1, int(total * cfg.domino_base_decay))
     return max(0.0, min(1.0, cfg.domino_base_start * (1 - min(step / ramp, 1.0))))
