@@ -26,8 +26,8 @@ import eval as ev
 import train
 from attention import (build_masks, compile_count, configure_compile, dflash_block_mask,
                        flex_compiled)
-from model import (DFlashDrafter, DrafterConfig, Rows, build_target_layer_ids, plain_head_loss,
-                   sample_anchors)
+from loss import Rows, head_loss, sample_anchors
+from model import DFlashDrafter, DrafterConfig, build_target_layer_ids
 from ranks import Colocated, GiB, final_states, memory_need, setup_dist, torchrun_env
 from target import Capture, Float8Frozen, fla_short_conv, load_for_generation, load_tokenizer
 
@@ -203,7 +203,7 @@ def step_flops(cfg, S, anchors, keep, teacher=False):
     """Model FLOPs of one fwd+bwd+loss step, a matmul 2*m*n*k: layers 3x (fwd, input and weight
     grads), fc and the frozen LM head 2x (no input/weight grad), attention 3x over the keys each
     query row sees (exactly, from anchors); teacher: the target's logits through the LM head too,
-    once (the fused path's count; the plain path recomputes them in its backward)."""
+    once (loss.HeadBridge computes each chunk's logits once)."""
     D, F, H, Hkv, hd, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
                            cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size)
     K, N = cfg.block_size, anchors.shape[0]
@@ -307,12 +307,10 @@ def breakdown(row, cfg, side, S, iters, ms_step):
     ms_attn = sum(n * cuda_time(lambda: attention(t), iters) for t, n in types.items())
     out, labels = torch.randn(Q, D, **grad), torch.randint(0, V, (Q,), device="cuda")
     opts = side.opts
-    # train.py's LM head + CE: fused.head_loss, unless loss_impl=plain
-    head_loss = opts.head_loss or plain_head_loss
     # the target's final states at the rows, when the loss reads them (kd_loss, confidence head)
     teacher = torch.randn(Q, D, device="cuda", dtype=torch.bfloat16)
     rows = Rows(out_MD=out, labels_M=labels, valid_M=torch.ones_like(labels, dtype=torch.bool),
-                decay_M=torch.rand(Q, device="cuda"), prev_M=labels, K=K,
+                decay_M=torch.rand(Q, device="cuda"), prev_M=labels, prefix_MG=None, K=K,
                 teacher_MD=teacher if final_states(cfg, dcfg) else None,
                 chunk_rows=(cfg.loss_chunk or cfg.num_anchors) * K)
     head = side.tables.head_VD
@@ -321,7 +319,7 @@ def breakdown(row, cfg, side, S, iters, ms_step):
     rest = ms_step - ms_mask - ms_attn - ms_head
     for name, t in (("BlockMask build (both layer types)", ms_mask),
                     (f"flex attention fwd+bwd ({attn})", ms_attn),
-                    (f"LM head + CE fwd+bwd ({head_loss.__module__}.{head_loss.__name__})",
+                    ("LM head + loss fwd+bwd (loss.head_loss)",
                      ms_head),
                     ("projections, MLP, norms, RoPE, fc, embedding (the rest)", rest)):
         row(f"breakdown S={S}: {name}", f"{t:.1f} ms", f"{t / ms_step:.0%} of {ms_step:.1f} ms")

@@ -1,4 +1,4 @@
-"""The DFlash drafter in plain torch, its released checkpoint format, and its training objective.
+"""The DFlash drafter in plain torch and its released checkpoint format.
 
 A drafter (DFlash, arXiv 2602.06036) is a few Qwen3-style decoder layers. It reads the frozen target's
 hidden states at `target_layer_ids`, fuses them once (fc + hidden_norm) into context features, and every layer
@@ -6,10 +6,9 @@ projects those features with its own k/v projections into extra keys/values plac
 Queries come only from the block: [anchor token, mask, mask, ...] at absolute positions anchor+k. The target's
 embedding and LM head are shared and frozen; they are not drafter weights.
 
-Reading order (bottom-up): helpers -> attention -> MLP -> layer -> config -> model -> checkpoint -> objective.
+Reading order (bottom-up): helpers -> attention -> MLP -> layer -> config -> model -> checkpoint.
 Weight names match released checkpoints (z-lab, SpecForge, vLLM, SGLang), so saving is a plain state-dict write.
-The objective here is the plain one, in torch autograd: a new loss starts in `chunk_loss`.
-fused.py computes the same loss and gradients faster (train.py's default); tested equal.
+The optional heads (Markov, confidence, Domino) and the training objective live in loss.py.
 
 Test: python -m pytest -q tests/test_model.py
 """
@@ -17,15 +16,13 @@ Test: python -m pytest -q tests/test_model.py
 import json
 import math
 import os
-from dataclasses import dataclass, field, fields, replace
-from typing import Callable, NamedTuple
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
-
-from attention import attend, build_masks, compile_on_first_call
+from attention import attend, compile_on_first_call
+from loss import ConfidenceHead, MarkovHead, domino_head
 
 
 # ------------------------------------------------- helpers: RMSNorm and rotary embedding, both as Qwen3/HF compute them
@@ -364,48 +361,7 @@ def drafter_config_from_target(target_config, tokenizer=None, mask_token=None,
     return DrafterConfig(**(cfg | fields))
 
 
-# ----------------------------------------------------------------------------- the drafter
-class MarkovHead(nn.Module):
-    """DSpark's sequential correction (deepseek-ai/DeepSpec): logits_k = lm_head(h_k) + w2(w1[token_{k-1}]). Training
-    feeds the true previous token (dflash_loss); drafting goes left to right (eval.draft)."""
-
-    def __init__(self, vocab_size, rank):
-        super().__init__()
-        self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
-
-    def forward(self, prev_ids):
-        return self.markov_w2(self.markov_w1(prev_ids))
-
-
-class ConfidenceHead(nn.Module):
-    """DSpark's acceptance predictor (deepseek-ai/DeepSpec `AcceptRatePredictor`): per drafted
-    position a logit whose sigmoid estimates the chance the target accepts that token given the
-    prefix was accepted; the engines plan how many drafted tokens to verify from its cumulative
-    product. Input [h ; markov_w1[previous token]], weights `confidence_head.proj.{weight,bias}`."""
-
-    def __init__(self, input_dim):
-        super().__init__()
-        self.proj = nn.Linear(input_dim, 1)
-
-    def forward(self, h_MD, markov_MR):
-        x = torch.cat([h_MD, markov_MR.to(h_MD.dtype)], -1)  # [M, D + r]
-        return self.proj(x).float().squeeze(-1)
-
-
-def domino_head(hidden, gru_dim, emb_dim, vocab):
-    """Domino's causal correction (SpecForge `DominoDraftModel`) -> (prefix_gru, embed_proj):
-    offset k's logits get embed_proj([h_k ; g_k]) (DFlashDrafter.domino_bias), g_k the state of a
-    GRU (no biases) that has read the target's embeddings of the block's tokens at offsets 0..k-1,
-    embed_proj = Linear(D + G, E), SiLU, Linear(E, V). Training feeds the true tokens (draft_rows);
-    drafting goes left to right (DFlashDrafter.draft_tokens). The drafter holds the two under
-    these flat names, as the released checkpoints do: prefix_gru.weight_{ih,hh}_l0,
-    embed_proj.{0,2}.weight."""
-    return (nn.GRU(hidden, gru_dim, num_layers=1, batch_first=True, bias=False),
-            nn.Sequential(nn.Linear(hidden + gru_dim, emb_dim, bias=False), nn.SiLU(),
-                          nn.Linear(emb_dim, vocab, bias=False)))
-
-
+# ----------------------------------------------------------------------------- the drafter (its optional heads: loss.py)
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -516,7 +472,7 @@ def to_float8(drafter, recipe, emulate=False):
     """FP8 matmuls for the drafter's linears (torchao.float8: dynamic tensorwise or rowwise scales, e4m3 forward,
     gradients as the recipe says) where the sizes suit the FP8 kernels (multiples of 16). The weights keep their
     dtype and names, so a checkpoint does not change.
-    The Markov head is left alone: fused.HeadCE uses its weights directly.
+    The Markov head stays as it is (a table lookup, then a rank-r linear into the vocabulary).
     emulate: FP8 rounding in ordinary matmuls, for CPU tests (no speedup)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     config = replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
@@ -557,259 +513,3 @@ def load_drafter(ckpt_dir, device="cpu", dtype=None):
     drafter = drafter.to_empty(device=device).to(dtype or sd["fc.weight"].dtype)  # default: the saved dtype
     drafter.load_state_dict(sd, strict=True)
     return drafter
-
-
-# ----------------------------------------------------------------------------- training objective (paper §4.2, Eq. 4)
-def sample_anchors(loss_mask_BS, num_anchors, generator=None):
-    """Uniform without replacement among positions p with loss_mask[p] and loss_mask[p+1] (a response token whose
-    first label is supervised), sorted, padded to num_anchors with keep=False: fixed shapes, no recompiles, no sync."""
-    B, S = loss_mask_BS.shape
-    lm = loss_mask_BS.bool()
-    cand = torch.zeros_like(lm)
-    cand[:, :-1] = lm[:, :-1] & lm[:, 1:]
-    keys = torch.rand(B, max(S, num_anchors), device=lm.device, generator=generator)
-    keys[:, :S][~cand] = 2.0  # non-candidates sort last
-    keys[:, S:] = 2.0
-    top = keys.topk(num_anchors, dim=1, largest=False)
-    keep = top.values < 2.0
-    anchors = torch.where(keep, top.indices, max(S, num_anchors))  # padding sorts after every real anchor
-    anchors, order = anchors.sort(dim=1)
-    keep = keep.gather(1, order)
-    return torch.where(keep, anchors, 0), keep
-
-
-def block_labels(input_ids_BS, loss_mask_BS, anchors_BN, keep_BN, K, gamma):
-    """Labels at the SAME position: block offset k predicts input_ids[anchor+k]; offset 0 (the clean anchor) and
-    positions >= S are unsupervised; the loss mask is read at the label position, not the anchor.
-    Returns labels [B,N,K], valid [B,N,K] bool, weights [B,N,K] = valid * exp(-(k-1)/gamma) (w_1 = 1, Eq. 4)."""
-    (B, S), N = input_ids_BS.shape, anchors_BN.shape[1]
-    k = torch.arange(K, device=input_ids_BS.device)
-    pos_BNK = anchors_BN[:, :, None] + k
-    idx = pos_BNK.clamp(max=S - 1).view(B, N * K)
-    labels = input_ids_BS.gather(1, idx).view(B, N, K)
-    valid = keep_BN[:, :, None] & (pos_BNK < S) & (k > 0) & loss_mask_BS.gather(1, idx).view(B, N, K).bool()
-    decay = torch.exp(-(k - 1).clamp(min=0).float() / gamma)
-    return labels, valid, valid.float() * decay
-
-
-def dpace_weights(ce_M, valid_M, K, alpha):
-    """D-PACE (arXiv 2605.18810) loss weights, detached: with q_i the drafter's probability of label i, smoothed
-    q~_i = (1 - alpha) q_i + alpha, and 1 where nothing is supervised (the chain passes through), offset k weighs
-    w_k = sum over supervised m >= k of prod_{i<=m} q~_i: the expected accepted length that getting k right buys."""
-    q = torch.where(valid_M > 0, (1 - alpha) * torch.exp(-ce_M) + alpha, 1.0).view(-1, K)
-    run = torch.cumprod(q, -1) * valid_M.view(-1, K)
-    return run.flip(-1).cumsum(-1).flip(-1).reshape(-1) * valid_M
-
-
-class Tables(NamedTuple):
-    """The frozen target's tables that the drafter borrows (not drafter weights)."""
-    embed_VD: torch.Tensor  # embeds the block tokens
-    head_VD: object  # the LM head [V, D], or a fused.Float8Head (fp8_head: its e4m3 copies)
-
-
-class LossBatch(NamedTuple):
-    """One micro-batch as the objective reads it: B sequences of S tokens, N blocks each."""
-    input_ids_BS: torch.Tensor
-    loss_mask_BS: torch.Tensor  # 1 where a token is supervised (the response)
-    hidden_BSC: torch.Tensor  # the target's states at target_layer_ids, concatenated: C = ids * D
-    anchors_BN: torch.Tensor  # sample_anchors
-    keep_BN: torch.Tensor
-    # the target's FINAL hidden states (after its final norm) [B, S, D]: through the LM head, its
-    # next-token distribution (kd, the confidence head's label); None when neither is used
-    final_BSD: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class LossOptions:
-    """How dflash_loss weighs and computes the objective (train.loss_options: from Config)."""
-    weighting: str = "decay"  # over block offsets: decay, exp(-(k-1)/gamma) (Eq. 4) | dpace
-    gamma: float = 7.0  # decay's scale
-    alpha: float = 0.5  # dpace's smoothing of the drafter's confidence, (1 - alpha) q + alpha
-    chunk_blocks: int = 64  # blocks per LM-head chunk (0: one sequence's blocks)
-    backend: str = "sdpa"  # attention: sdpa (any device) | flex (compiled BlockMask kernel, CUDA)
-    # the LM head + CE: None = plain_head_loss, autograd, here (where a new loss starts) |
-    # fused.head_loss (HeadCE: the same loss and gradients, faster)
-    head_loss: Callable | None = None
-    # plain path only: extra(logits_MV, weights_M, rows) -> a term added to the chunk's sum of
-    # w * CE: a new logit-dependent loss without editing this file (rows: the chunk's Rows). It
-    # runs again in the backward (checkpoint), so it must be deterministic.
-    extra: Callable | None = None
-    # the target's distribution p as a target beside the CE, either path (needs
-    # LossBatch.final_BSD). kd: none | kl = KL(p || q) | l1 = sum_v |q_v - p_v| (= 2 TV, DSpark's
-    # L1); per row (1 - kd_weight) CE + kd_weight KD, under the row's weight (decay or D-PACE)
-    kd: str = "none"
-    kd_weight: float = 0.9  # with l1: DSpark's CE 0.1 + L1 0.9 (DeepSpec's recipes)
-    # the confidence head's BCE, added under the same row weights (DSpark: 1.0)
-    confidence_weight: float = 1.0
-    # a Domino head's blend, per row (1 - base_weight) CE(corrected logits) + base_weight CE(the
-    # LM head's alone); train.domino_base_weight decays it over the run, as SpecForge does
-    base_weight: float = 0.0
-
-    def __post_init__(self):
-        if self.weighting not in ("decay", "dpace") or self.backend not in ("sdpa", "flex"):
-            raise ValueError(f"LossOptions: weighting={self.weighting!r} (decay | dpace), "
-                             f"backend={self.backend!r} (sdpa | flex)")
-        if self.kd not in ("none", "kl", "l1") or not 0 <= self.kd_weight <= 1:
-            raise ValueError(f"LossOptions: kd={self.kd!r} (none | kl | l1), "
-                             f"kd_weight={self.kd_weight} (in [0, 1])")
-        if not 0 <= self.base_weight <= 1:
-            raise ValueError(f"LossOptions: base_weight={self.base_weight} (in [0, 1])")
-
-
-@dataclass(frozen=True)
-class Rows:
-    """The drafted rows of one micro-batch, flattened in block order: row m = (b, n, k),
-    M = B*N*K, a block's K rows consecutive. Every tensor field has one entry per row."""
-    out_MD: torch.Tensor  # the drafter's normed hidden states (differentiable)
-    labels_M: torch.Tensor  # the token each row predicts (block_labels)
-    valid_M: torch.Tensor  # bool: supervised
-    decay_M: torch.Tensor  # valid * exp(-(k-1)/gamma)
-    prev_M: torch.Tensor  # the true token before the row's: the Markov head's input
-    # the Domino head's GRU state after the block's true tokens before the row's [M, G] (offset
-    # 0: zeros, unsupervised); None without one
-    prefix_MG: torch.Tensor | None
-    # the target's final state at the row's label position - 1 (whose next-token distribution is
-    # the label's), [M, D]; None without LossBatch.final_BSD
-    teacher_MD: torch.Tensor | None
-    K: int  # block size
-    chunk_rows: int  # rows per LM-head chunk, whole blocks
-
-    def take(self, j):
-        """These rows for slice j (of whole blocks)."""
-        return replace(self, **{f.name: getattr(self, f.name)[j] for f in fields(self)
-                                if isinstance(getattr(self, f.name), torch.Tensor)})
-
-
-def draft_rows(drafter, embed_VD, batch, opts):
-    """The drafter's forward over every block of the micro-batch, and each row's label and weight
-    -> Rows. A block is [anchor token, mask, ..., mask] at absolute positions anchor + k."""
-    ids_BS, mask_BS, hidden_BSC, anchors_BN, keep_BN, final_BSD = batch
-    cfg, (B, S), N, dev = drafter.cfg, ids_BS.shape, anchors_BN.shape[1], ids_BS.device
-    K = cfg.block_size
-    block_BNK = torch.full((B, N, K), cfg.mask_token_id, device=dev, dtype=ids_BS.dtype)
-    block_BNK[:, :, 0] = torch.where(keep_BN, ids_BS.gather(1, anchors_BN), cfg.mask_token_id)
-    # positions may run past S-1: they place the block, they never index a label
-    pos_BQ = (anchors_BN[:, :, None] + torch.arange(K, device=dev)).view(B, N * K)  # Q = N*K
-    x_BQD = F.embedding(block_BNK.view(B, N * K), embed_VD).to(hidden_BSC.dtype)
-    masks = build_masks(anchors_BN, keep_BN, S, K, cfg.layer_types, cfg.sliding_window,
-                        opts.backend)
-    out_BQD = drafter(x_BQD, hidden_BSC, pos_BQ, masks)
-    labels, valid, decay = block_labels(ids_BS, mask_BS, anchors_BN, keep_BN, K, opts.gamma)
-    prev = torch.cat([labels[:, :, :1], labels[:, :, :-1]], -1)  # offset 1's: the anchor token
-    prefix = None
-    if cfg.domino_gru_dim:  # the GRU reads offsets 0..K-2's true tokens: its k-th state is offset k+1's
-        e = F.embedding(labels[:, :, :-1].reshape(B * N, K - 1), embed_VD).to(out_BQD.dtype)
-        g = drafter.prefix_gru(e)[0]  # [B*N, K-1, G]
-        prefix = torch.cat([g.new_zeros(B * N, 1, g.shape[-1]), g], 1).reshape(B * N * K, -1)
-    teacher = None
-    if final_BSD is not None:  # the label at anchor+k is the target's prediction at anchor+k-1
-        at_BQ = (pos_BQ - 1).clamp(0, S - 1)  # offset 0 (unsupervised) reads the anchor-1's
-        teacher = final_BSD.gather(1, at_BQ[:, :, None].expand(-1, -1, final_BSD.shape[-1]))
-        teacher = teacher.reshape(B * N * K, -1)
-    return Rows(out_MD=out_BQD.reshape(B * N * K, -1), labels_M=labels.view(-1),
-                valid_M=valid.view(-1), decay_M=decay.view(-1), prev_M=prev.view(-1), prefix_MG=prefix,
-                teacher_MD=teacher, K=K, chunk_rows=(opts.chunk_blocks or N) * K)
-
-
-def head_logits(x_MD, head):
-    """The frozen LM head's logits; under fp8_head (a fused.Float8Head) from its e4m3 operands."""
-    return x_MD @ head.t() if isinstance(head, torch.Tensor) else head.logits_autograd(x_MD)
-
-
-def target_terms(logits_MV, p_MV, kd):
-    """Per row, from the drafter's logits and the target's distribution p (fp32, detached)
-    -> (KD term or None, the confidence head's label). KD: kl = sum_v p_v (log p_v - log q_v),
-    l1 = sum_v |q_v - p_v|. Label: 1 - TV(p, q) = clamp(1 - l1 / 2, 0, 1), the chance that
-    rejection sampling accepts a draft from q; detached (DeepSpec `_compute_accept_rate_3d`)."""
-    logq_MV = F.log_softmax(logits_MV.float(), -1)
-    l1_M = (logq_MV.exp() - p_MV).abs().sum(-1)
-    label_M = (1 - 0.5 * l1_M.detach()).clamp(0, 1)
-    if kd == "kl":
-        return (torch.xlogy(p_MV, p_MV) - p_MV * logq_MV).sum(-1), label_M  # 0 log 0 = 0
-    return (l1_M if kd == "l1" else None), label_M
-
-
-def chunk_loss(rows, head, drafter, opts):
-    """One chunk of whole blocks: the logits (LM head + the Markov or Domino head's bias), the
-    weights (decay's, or D-PACE's from the detached CE), sum_m w_m CE_m (+ Domino's blend with the
-    LM head's own CE, the target-distribution and confidence terms, opts.extra) -> (that sum,
-    correct_M). A new loss that needs the logits starts here."""
-    cfg = drafter.cfg
-    logits_MV = head_logits(rows.out_MD, head)
-    if cfg.markov_rank:
-        logits_MV = logits_MV + drafter.markov_head(rows.prev_M)
-    base_MV = logits_MV
-    if cfg.domino_gru_dim:
-        logits_MV = logits_MV + drafter.domino_bias(rows.out_MD, rows.prefix_MG).to(logits_MV.dtype)
-    ce_M = F.cross_entropy(logits_MV.float(), rows.labels_M, reduction="none")  # fp32, as fused
-    if opts.weighting == "dpace":
-        w_M = dpace_weights(ce_M.detach(), rows.valid_M.float(), rows.K, opts.alpha)
-    else:
-        w_M = rows.decay_M
-    per_row_M = ce_M
-    if cfg.domino_gru_dim and opts.base_weight:  # Domino's blend: the LM head alone is supervised too
-        base_ce_M = F.cross_entropy(base_MV.float(), rows.labels_M, reduction="none")
-        per_row_M = (1 - opts.base_weight) * ce_M + opts.base_weight * base_ce_M
-    if opts.kd != "none" or cfg.confidence_head:
-        if rows.teacher_MD is None:
-            raise ValueError("kd / confidence_head need the target's final hidden states "
-                             "(LossBatch.final_BSD)")
-        with torch.no_grad():  # the target's distribution, fp32
-            p_MV = torch.softmax(head_logits(rows.teacher_MD, head).float(), -1)
-        kd_M, label_M = target_terms(logits_MV, p_MV, opts.kd)
-        if kd_M is not None:
-            per_row_M = (1 - opts.kd_weight) * per_row_M + opts.kd_weight * kd_M
-        if cfg.confidence_head:
-            z_M = drafter.confidence_logits(rows.out_MD, rows.prev_M)
-            bce_M = F.binary_cross_entropy_with_logits(z_M, label_M, reduction="none")
-            per_row_M = per_row_M + opts.confidence_weight * bce_M
-    loss = (w_M * per_row_M).sum()
-    if opts.extra is not None:
-        loss = loss + opts.extra(logits_MV, w_M, rows)
-    return loss, logits_MV.argmax(-1) == rows.labels_M
-
-
-def plain_head_loss(rows, head, drafter, opts):
-    """The LM head and the weighted CE in torch autograd, chunk by chunk -> (loss_sum, correct_M).
-    Each chunk runs under non-reentrant torch.utils.checkpoint (as SpecForge's objective chunks):
-    its [rows, V] logits are freed after its forward and recomputed in the backward, so one chunk's
-    exist at a time. The price is a third LM-head matmul per chunk, which fused.head_loss avoids by
-    computing the input gradient in its forward."""
-    loss_sum, correct = 0.0, []
-    for i in range(0, rows.labels_M.shape[0], rows.chunk_rows):
-        chunk = rows.take(slice(i, i + rows.chunk_rows))
-        loss, ok = checkpoint(chunk_loss, chunk, head, drafter, opts, use_reentrant=False)
-        loss_sum = loss_sum + loss
-        correct.append(ok)
-    return loss_sum, torch.cat(correct)
-
-
-def block_stats(loss_sum, correct_M, rows, keep_BN, opts):
-    """dflash_loss's additive terms (see there) from the loss sum and each row's argmax hit."""
-    valid = rows.valid_M.view(*keep_BN.shape, rows.K)  # B N K
-    correct = correct_M.view(valid.shape) & valid
-    # training-time acceptance estimate: accepted = sum_j prod_{i<=j} correct_i over supervised
-    # positions, unsupervised ones count as correct inside the product (SpecForge
-    # compute_accept_len), tau = 1 + accepted
-    run = torch.cumprod((correct | ~valid)[:, :, 1:].float(), dim=-1)
-    accepted = (run * valid[:, :, 1:]).sum(-1)
-    blocks = keep_BN.sum().float()
-    return dict(
-        loss_sum=loss_sum,
-        weight_sum=blocks if opts.weighting == "dpace" else rows.decay_M.sum().detach(),
-        correct_K=correct.sum((0, 1)).float(), count_K=valid.sum((0, 1)).float(),
-        tau_sum=((1 + accepted) * keep_BN).sum(), blocks=blocks,
-    )
-
-
-def dflash_loss(drafter, tables, batch, opts=LossOptions()):
-    """DFlash objective for one micro-batch (Tables, LossBatch, LossOptions). Returns additive terms
-    so that normalization stays exact across ranks and micro-batches: loss_sum (differentiable),
-    weight_sum, per-offset correct_K / count_K, tau_sum / blocks. The caller divides: loss =
-    loss_sum / (global weight_sum). weighting "decay": weight_sum is the sum of the weights;
-    "dpace": the kept blocks (dividing by the D-PACE weights' own sum would cancel the credit they
-    give; a count summed over all ranks and micro-batches cannot depend on the split).
-    The LM head + CE: plain_head_loss, unless opts.head_loss names another (fused.head_loss)."""
-    rows = draft_rows(drafter, tables.embed_VD, batch, opts)
-    loss_sum, correct_M = (opts.head_loss or plain_head_loss)(rows, tables.head_VD, drafter, opts)
-    return block_stats(loss_sum, correct_M, rows, batch.keep_BN, opts)

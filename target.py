@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from attention import compile_on_first_call, grouped_decode_sdpa
-from fused import _rows_fp8
+from fp8 import rows_fp8
 
 
 def default_cache_dir():
@@ -219,7 +219,7 @@ def fla_short_conv(decoder, conv=None, device_type="cuda"):
 
 # ---------------------------------------------------------------------- the linears in FP8
 # the activations: one graph for every length
-_rows_fp8_dynamic = compile_on_first_call(_rows_fp8, dynamic=True)
+rows_fp8_dynamic = compile_on_first_call(rows_fp8, dynamic=True)
 
 
 class Float8Frozen(nn.Module):
@@ -229,13 +229,13 @@ class Float8Frozen(nn.Module):
 
     def __init__(self, linear):
         super().__init__()
-        w8, s = _rows_fp8(linear.weight.detach())
+        w8, s = rows_fp8(linear.weight.detach())
         self.register_buffer("w8", w8)
         self.register_buffer("s", s)
         self.bias = linear.bias
 
     def forward(self, x):
-        x8, s_x = (_rows_fp8_dynamic if x.is_cuda else _rows_fp8)(x.reshape(-1, x.shape[-1]))
+        x8, s_x = (rows_fp8_dynamic if x.is_cuda else rows_fp8)(x.reshape(-1, x.shape[-1]))
         y = torch._scaled_mm(x8, self.w8.t(), scale_a=s_x, scale_b=self.s.t(),
                              out_dtype=torch.bfloat16)
         y = y.view(*x.shape[:-1], -1).to(x.dtype)

@@ -34,9 +34,9 @@ from attention import compile_count, configure_compile
 from checkpoint import (list_ckpts, lock_run_dir, log_line, log_skipped, open_run_dir,
                         plot_curves, resume_point, save_checkpoint, step_metrics,
                         warn_config_changes, write_done, write_run_info)
-from fused import Float8Head, head_loss as fused_head_loss
-from model import (DFlashDrafter, DrafterConfig, LossBatch, LossOptions, Tables, dflash_loss,
-                   drafter_config_from_target, load_drafter, sample_anchors, to_float8)
+from fp8 import Float8Head
+from loss import LossBatch, LossOptions, Tables, dflash_loss, sample_anchors
+from model import DFlashDrafter, DrafterConfig, drafter_config_from_target, load_drafter, to_float8
 from ranks import (USABLE, Colocated, Dist, Receiver, assign_roles, drafter_schedule,
                    final_states, largest_anchors, memory_check, on_gpu, per_step, placement_table,
                    reduce_stats, report_failure, role_of, run_target, setup_dist, teardown_dist,
@@ -55,12 +55,12 @@ class Config:
     mask_token: str = ""  # a token or an id; "": the tokenizer's mask token, or the first free row
     sliding_layers: int = 4  # the first n drafter layers attend in a sliding window, the rest fully
     sliding_window: int = 2048  # tokens, for sliding layers
-    markov_rank: int = 0  # > 0: DSpark's low-rank Markov head of this rank (model.MarkovHead)
-    # DSpark's confidence head (model.ConfidenceHead): per drafted position, the chance the
+    markov_rank: int = 0  # > 0: DSpark's low-rank Markov head of this rank (loss.MarkovHead)
+    # DSpark's confidence head (loss.ConfidenceHead): per drafted position, the chance the
     # target accepts it; the engines size verification from it. Needs markov_rank > 0
     confidence_head: bool = False
-    # > 0: Domino's causal correction of this GRU width (model.domino_head; SpecForge's Domino uses
-    # a quarter of the hidden size), through domino_emb_dim to the vocabulary. Plain loss path only
+    # > 0: Domino's causal correction of this GRU width (loss.domino_head; SpecForge's Domino uses
+    # a quarter of the hidden size), through domino_emb_dim to the vocabulary
     domino_gru_dim: int = 0
     domino_emb_dim: int = 256
     # Domino's blend: the LM head's own CE weighs domino_base_start at step 0, falling linearly
@@ -74,7 +74,7 @@ class Config:
     batch_size: int = 1  # sequences per micro-batch (one drafter rank, one forward)
     grad_accum: int = 1  # micro-batches per drafter rank per optimizer step
     num_anchors: int = 512  # blocks per sequence (padded with invalid blocks: fixed shapes)
-    # over block offsets: decay = exp(-(k-1)/gamma) | dpace (model.dpace_weights)
+    # over block offsets: decay = exp(-(k-1)/gamma) | dpace (loss.dpace_weights)
     loss_weighting: str = "decay"
     gamma: float = 7.0  # decay's scale
     dpace_alpha: float = 0.5  # dpace's smoothing of the drafter's confidence, (1 - alpha) q + alpha
@@ -85,9 +85,9 @@ class Config:
     # per row (1 - kd_weight) CE + kd_weight KD; 0.9 with l1 is DSpark's CE 0.1 + L1 0.9
     kd_weight: float = 0.9
     confidence_weight: float = 1.0  # the confidence head's BCE beside them (DSpark: 1.0)
-    # the LM head + CE: fused = fused.HeadCE (the input gradient computed in its forward: faster) |
-    # plain = torch autograd per chunk (model.plain_head_loss, new losses start there), same results
-    loss_impl: str = "fused"
+    # the confidence head trains on detached features: its BCE moves the head alone, never what
+    # the drafter drafts (False: DSpark's, the BCE's gradient reaches the drafter and Markov table)
+    confidence_detached: bool = False
     skip_invalid: bool = False  # skip (and count) broken records instead of stopping at the first
     pad_multiple: int = 128  # sequence length bucket, tokens (fewer distinct shapes, no recompiles)
     # optim
@@ -110,7 +110,7 @@ class Config:
     device: str = "auto"  # auto | cuda | cpu
     compile: bool = True  # CUDA: compile each drafter layer (flex inside); False: eager layers
     fp8: str = ""  # "" (bf16) | tensorwise | rowwise: FP8 drafter linears (model.to_float8)
-    fp8_head: bool = False  # the LM head's matmuls (logits, input grad) in FP8 (fused.Float8Head)
+    fp8_head: bool = False  # the LM head's matmuls (logits, input grad) in FP8 (fp8.Float8Head)
     # the frozen target's linears in FP8 for its forward (target.Float8Frozen); unsharded. Off: its
     # states sit 6-7x further from fp32 than bf16's (BENCHMARKS.md); on: training for a target
     # served in FP8
@@ -511,13 +511,14 @@ SHAPE = [
     # a V x r, r x V head past rank V is no longer low-rank: it only costs memory and time
     ("markov_rank", lambda c, t: 0 <= c.markov_rank <= min(4096, t.vocab_size),
      "must be in [0, min(4096, the target vocabulary {t.vocab_size})] (0: no Markov head)"),
+    ("confidence_detached", lambda c, t: not c.confidence_detached or c.confidence_head,
+     "needs confidence_head=true", ["confidence_head"]),
     ("confidence_head", lambda c, t: not c.confidence_head or c.markov_rank > 0,
      "needs markov_rank > 0 (vLLM and SGLang serve a confidence head only on a DSpark "
      "drafter, fed the Markov embedding)", ["markov_rank"]),
     ("domino_gru_dim", lambda c, t: 0 <= c.domino_gru_dim <= 16384, "must be in [0, 16384] (0: no Domino head)"),
-    ("domino_gru_dim", lambda c, t: not c.domino_gru_dim or (c.markov_rank == 0 and c.loss_impl == "plain"),
-     "a Domino head needs markov_rank=0 (one correction head) and loss_impl=plain (the fused loss "
-     "has no term for it)", ["markov_rank", "loss_impl"]),
+    ("domino_gru_dim", lambda c, t: not c.domino_gru_dim or c.markov_rank == 0,
+     "a Domino head needs markov_rank=0 (one correction head)", ["markov_rank"]),
     *_each(["domino_emb_dim"], lambda x: 1 <= x <= 16384, "must be in [1, 16384]"),
     *_each(["domino_base_start", "domino_base_decay"], lambda x: 0 <= x <= 1, "must be in [0, 1]"),
     ("init_drafter",
@@ -556,7 +557,6 @@ RULES = SHAPE + [
      "must be auto, bfloat16 or float32"),
     ("loss_weighting", lambda c, t: c.loss_weighting in ("decay", "dpace"),
      "must be decay or dpace"),
-    ("loss_impl", lambda c, t: c.loss_impl in ("fused", "plain"), "must be fused or plain"),
     ("kd_loss", lambda c, t: c.kd_loss in ("none", "kl", "l1"), "must be none, kl or l1"),
     *_each(["kd_weight"], lambda x: 0 <= x <= 1, "must be in [0, 1]"),
     *_each(["confidence_weight"], lambda x: 0 <= x < INF, "must be >= 0 and finite"),
@@ -754,13 +754,13 @@ def domino_base_weight(cfg, step, total):
 
 
 def loss_options(cfg, device):
-    """The objective's options from Config: the one place where loss_impl picks the LM head + CE."""
+    """The objective's options from Config."""
     return LossOptions(weighting=cfg.loss_weighting, gamma=cfg.gamma, alpha=cfg.dpace_alpha,
                        chunk_blocks=cfg.loss_chunk,
                        backend="flex" if device.type == "cuda" else "sdpa",
-                       head_loss=fused_head_loss if cfg.loss_impl == "fused" else None,
                        kd=cfg.kd_loss, kd_weight=cfg.kd_weight,
-                       confidence_weight=cfg.confidence_weight)
+                       confidence_weight=cfg.confidence_weight,
+                       confidence_detached=cfg.confidence_detached)
 
 
 @dataclass(frozen=True)
@@ -768,7 +768,7 @@ class Drafting:
     """A drafter rank's side of the step, built by build_drafting: what train_drafter reads and
     changes."""
     drafter: DFlashDrafter  # trained
-    tables: Tables  # the target's embedding and LM head, frozen (fp8_head: a fused.Float8Head)
+    tables: Tables  # the target's embedding and LM head, frozen (fp8_head: an fp8.Float8Head)
     optim: Optimizer
     source: object  # .get(m) -> (batch, hidden states, target seconds): Colocated or Receiver
     opts: LossOptions  # the objective's options (loss_options)

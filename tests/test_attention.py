@@ -6,7 +6,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from attention import (TILE, attend, build_masks, compile_count, configure_compile, dense_mask, dflash_block_mask,
                        dflash_block_masks)
-from model import sample_anchors
+from loss import sample_anchors
 
 
 def reference_mask(anchors, keep, S, K, window):

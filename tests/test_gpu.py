@@ -9,9 +9,8 @@ import torch
 
 from conftest import run_train
 from attention import attend, compile_count, configure_compile, dense_mask, dflash_block_mask
-import fused
-from model import (DFlashDrafter, DrafterConfig, LossBatch, LossOptions, Tables, dflash_loss,
-                   sample_anchors)
+from loss import LossBatch, LossOptions, Tables, dflash_loss, sample_anchors
+from model import DFlashDrafter, DrafterConfig
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -68,7 +67,7 @@ def test_flex_loss_equals_sdpa_loss_and_no_recompiles():
         anchors, keep = sample_anchors(lm, 64, torch.Generator("cuda").manual_seed(S))
         drafter.zero_grad()
         r = dflash_loss(drafter, Tables(embed, head), LossBatch(ids, lm, hidden, anchors, keep),
-                        LossOptions(backend=backend, head_loss=fused.head_loss))
+                        LossOptions(backend=backend))
         r["loss_sum"].backward()
         return r["loss_sum"].item(), [p.grad.clone() for p in drafter.parameters()]
 
@@ -85,11 +84,13 @@ def test_flex_loss_equals_sdpa_loss_and_no_recompiles():
 
 
 @cuda
-@pytest.mark.parametrize("head", [[], ["--domino_gru_dim=16", "--loss_impl=plain"]], ids=["dflash", "domino"])
+@pytest.mark.parametrize("head", [[], ["--domino_gru_dim=16"], ["--markov_rank=16", "--confidence_head=true",
+                                  "--kd_loss=l1"]], ids=["dflash", "domino", "dspark"])
 def test_train_colocated_cuda_compiled_layers(tiny_target, convs, tmp_path, head):
     """train.py on one GPU, bf16, compiled drafter layers with flex inside (and a Domino head's GRU
-    beside them): it runs, the loss is finite and falls, and after warm-up no step compiles anything
-    (the log line would say RECOMPILES=)."""
+    beside them, whose blend weight changes every step; or DSpark's heads and L1 term): it runs, the
+    loss is finite and falls, and after warm-up no step compiles anything (the log line would say
+    RECOMPILES=)."""
     # 32 anchors x 4 = 128 block tokens: every length has >= 2 KV tiles (one tile is a graph of its own,
     # tests/test_attention.py::test_compiled_block_mask_single_kv_tile_compiles_once_more)
     p, _ = run_train(tiny_target, convs, tmp_path, 1, "--device=cuda", "--dtype=bfloat16", "--max_steps=12",
@@ -104,12 +105,12 @@ def test_train_colocated_cuda_compiled_layers(tiny_target, convs, tmp_path, head
 
 
 @cuda
-@pytest.mark.parametrize("impl,weighting,markov_rank,domino", [
-    (impl, w, r, 0) for impl in ("fused", "plain") for w, r in (("dpace", 0), ("decay", 16), ("dpace", 16))]
-    + [("plain", "dpace", 0, 64)])  # a Domino head: plain path only
-def test_loss_variants_on_cuda_equal_cpu(weighting, markov_rank, impl, domino):
-    """D-PACE weights and the Markov head inside the compiled fused CE (or the plain autograd path),
-    and a Domino head (cuDNN's GRU) on the plain path, on CUDA give the CPU loss and gradients (fp32
+@pytest.mark.parametrize("weighting,markov_rank,domino,kd", [
+    ("dpace", 0, 0, "none"), ("decay", 16, 0, "none"), ("dpace", 16, 0, "l1"), ("dpace", 0, 64, "none"),
+    ("decay", 0, 64, "kl")])
+def test_loss_variants_on_cuda_equal_cpu(weighting, markov_rank, domino, kd):
+    """D-PACE weights, the Markov head, a Domino head (cuDNN's GRU) and the target-distribution
+    term inside the compiled chunk loss of the bridge on CUDA give the CPU loss and gradients (fp32
     weights, chunked). Fresh compile caches: earlier tests' graphs count toward the recompile limit."""
     torch._dynamo.reset()
     configure_compile()
@@ -122,13 +123,14 @@ def test_loss_variants_on_cuda_equal_cpu(weighting, markov_rank, impl, domino):
     gpu = DFlashDrafter(cfg).cuda()
     gpu.load_state_dict(cpu.state_dict())
     ids, lm, hidden = torch.randint(0, 999, (2, 256)), torch.ones(2, 256), torch.randn(2, 256, 512)
+    final = torch.randn(2, 256, 256) if kd != "none" else None
     embed, head = (torch.randn(1000, 256) * 0.05 for _ in "eh")
     anchors, keep = sample_anchors(lm, 32, torch.Generator().manual_seed(0))
     out = []
     for d, dev, backend in ((cpu, "cpu", "sdpa"), (gpu, "cuda", "flex")):
         e, h, *batch = [t.to(dev) for t in (embed, head, ids, lm, hidden, anchors, keep)]
-        opts = LossOptions(weighting=weighting, chunk_blocks=8, backend=backend,
-                           head_loss=fused.head_loss if impl == "fused" else None,
+        batch.append(final if final is None else final.to(dev))
+        opts = LossOptions(weighting=weighting, chunk_blocks=8, backend=backend, kd=kd,
                            base_weight=0.3 if domino else 0.0)
         r = dflash_loss(d, Tables(e, h), LossBatch(*batch), opts)
         r["loss_sum"].backward()

@@ -268,7 +268,6 @@ INVALID = [
     ("anchors", dict(num_anchors=0), "num_anchors"),
     ("gamma", dict(gamma=0.0), "gamma"),
     ("loss weighting", dict(loss_weighting="pace"), "loss_weighting"),
-    ("loss impl", dict(loss_impl="fast"), "loss_impl"),
     ("fp8 recipe", dict(fp8="e4m3"), "fp8"),
     ("dpace alpha 0", dict(dpace_alpha=0.0), "dpace_alpha"),
     ("dpace alpha nan", dict(dpace_alpha=float("nan")), "dpace_alpha"),
@@ -344,13 +343,13 @@ INVALID = [
     ("mask token plus space", dict(mask_token="<empty_output> "), "mask_token"),
     ("run dir outside out_dir", dict(run_name="{link}"), "run_name"),
     ("out_dir a file", dict(out_dir="{file}"), "out_dir"),
-    ("kd unknown", dict(kd_loss="tv", loss_impl="plain"), "kd_loss"),
+    ("kd unknown", dict(kd_loss="tv"), "kd_loss"),
     ("kd weight past 1", dict(kd_weight=1.5), "kd_weight"),
     ("confidence weight negative", dict(confidence_weight=-1.0), "confidence_weight"),
-    ("confidence head without a Markov head", dict(confidence_head=True, loss_impl="plain"),
+    ("confidence head without a Markov head", dict(confidence_head=True),
      "confidence_head"),
-    ("domino on the fused path", dict(domino_gru_dim=8), "domino_gru_dim"),
-    ("domino beside a Markov head", dict(domino_gru_dim=8, markov_rank=4, loss_impl="plain"), "domino_gru_dim"),
+    ("confidence detached without a head", dict(confidence_detached=True), "confidence_detached"),
+    ("domino beside a Markov head", dict(domino_gru_dim=8, markov_rank=4), "domino_gru_dim"),
     ("domino base weight past 1", dict(domino_base_start=1.5), "domino_base_start"),
     ("more than any machine holds", dict(max_length=2 ** 20, num_anchors=2 ** 19), "num_anchors"),  # memory check
 ]
@@ -621,7 +620,7 @@ def test_memory_estimate_counts_the_final_states(valid, target_meta):
     slices). Exact differences, written out here."""
     import ranks
     tc, tok = target_meta
-    plain, kd = train.Config(**valid), train.Config(**valid, kd_loss="kl", loss_impl="plain")
+    plain, kd = train.Config(**valid), train.Config(**valid, kd_loss="kl")
     dcfg = train.drafter_cfg(plain, tc, tok)
     a, b = (ranks.memory_estimate(c, dcfg, tc, 2) for c in (plain, kd))
     layer = sum(ranks._target_params(tc, 6)[0][4:]) * 2 / 2 / ranks.GiB  # bf16, over 2 ranks
@@ -640,8 +639,8 @@ def test_memory_estimate_counts_a_domino_head(valid, target_meta):
     softmax (2 * 2 + 4 bytes a logit). Exact differences, written out here."""
     import ranks
     tc, tok = target_meta
-    plain = train.Config(**valid, loss_impl="plain")
-    dom = train.Config(**valid, loss_impl="plain", domino_gru_dim=16, domino_emb_dim=8)
+    plain = train.Config(**valid)
+    dom = train.Config(**valid, domino_gru_dim=16, domino_emb_dim=8)
     a, b = (ranks.memory_estimate(c, train.drafter_cfg(c, tc, tok), tc, 2) for c in (plain, dom))
     R, D, V, G, E = 8 * 4, 64, 49152, 16, 8
     assert a["drafter"]["Domino head"] == 0

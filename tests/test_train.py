@@ -263,10 +263,9 @@ def test_dpace_normalization_is_split_invariant(tiny_target, convs, tmp_path, co
     """--loss_weighting=dpace: its denominator (kept blocks) is summed over micro-batches and drafter ranks, so one
     process with 4 micro-batches and 2 data-parallel drafters with 2 each give the same step-1 loss and grad norm
     (a rank-local denominator would not), and the loss differs from the decay objective's (the same run with
-    decay: the topology test's colocated run).
-    The 2 drafters run the plain loss (--loss_impl=plain), the single process the fused one."""
+    decay: the topology test's colocated run)."""
     dpace = ["--max_steps=1", "--loss_weighting=dpace", "--dpace_alpha=0.4"]
-    split = ["--grad_accum=2", "--target_ranks=2", "--drafter_ranks=2", "--loss_impl=plain"]
+    split = ["--grad_accum=2", "--target_ranks=2", "--drafter_ranks=2"]
     runs = {}
     for nproc, extra in ((1, ["--grad_accum=4"]), (4, split), (0, None)):
         if extra is None:  # the decay objective's run: the topology test's colocated one
@@ -304,14 +303,13 @@ def test_capture_final_state_is_the_lm_heads_input(tiny_target):
 def test_kd_and_confidence_head_train_through_train_py(tiny_target, convs, tmp_path):
     """The target-distribution loss and the confidence head through the real main(): under torchrun
     (2 targets + 1 drafter: the final states travel with the layers') --kd_loss=l1 with a Markov
-    and a confidence head on the plain loss path, and in one process --kd_loss=kl under D-PACE on
-    the fused one (the default). Both end, the loss falls, the checkpoint carries the head (its
+    and a confidence head, and in one process --kd_loss=kl under D-PACE. Both end, the loss falls, the checkpoint carries the head (its
     weights moved from their init), and the kl run's loss differs from the CE-only run's on the
     same data and seed."""
     from model import load_drafter
     common = ["--max_steps=6", "--lr=3e-3"]
     runs = {"l1": (3, ["--kd_loss=l1", "--markov_rank=8", "--confidence_head=true",
-                       "--target_ranks=2", "--drafter_ranks=1", "--loss_impl=plain"]),
+                       "--target_ranks=2", "--drafter_ranks=1"]),
             "kl": (1, ["--kd_loss=kl", "--kd_weight=0.5", "--loss_weighting=dpace"]),
             "ce": (1, ["--loss_weighting=dpace"])}
     for name, (nproc, extra) in runs.items():
@@ -341,7 +339,7 @@ def test_markov_head_trains_through_train_py(tiny_target, convs, tmp_path):
 
 
 def test_domino_head_trains_through_train_py(tiny_target, convs, tmp_path):
-    """--domino_gru_dim=8 on the plain loss path, one process: the run ends, its checkpoint is a
+    """--domino_gru_dim=8, one process: the run ends, its checkpoint is a
     Domino drafter that loads with the head, whose weights moved from their init once the LM
     head's own CE stopped weighing everything (1, 2/3, 1/3, then 0 over 6 steps at decay 0.5), and
     the loss fell."""
@@ -352,7 +350,7 @@ def test_domino_head_trains_through_train_py(tiny_target, convs, tmp_path):
         pytest.approx(0.4)
     assert train.domino_base_weight(train.Config(), 0, 6) == 0  # no Domino head
     p, _ = run_train(tiny_target, convs, tmp_path, 1, "--max_steps=6", "--domino_gru_dim=8",
-                     "--domino_emb_dim=16", "--loss_impl=plain", "--lr=3e-3")
+                     "--domino_emb_dim=16", "--lr=3e-3")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     init, last = (load_drafter(tmp_path / "r" / n) for n in ("init", "ckpt-0000006"))
     assert last.cfg.domino_gru_dim == 8 and last.cfg.domino_emb_dim == 16 and init.cfg == last.cfg
