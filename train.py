@@ -12,8 +12,9 @@ one process (one GPU, or CPU) holds both roles. The target itself is target.py; 
     python -m pytest -q tests/test_train.py
 
 Reading order: Config (edit the defaults, or pass --field=value), the schedule and optimizer,
-train() and its loop, main(); below the ruler the plumbing: config parsing and checks, the drafting
-side (bench.py builds its step with it too), loading the data, sharding the target."""
+train() and its loop, main(); below the ruler the plumbing: the loop's bookkeeping (RunState: skipped
+steps, log lines, checkpoints), config parsing and checks, the drafting side (bench.py builds its step
+with it too), loading the data, sharding the target."""
 
 import importlib.util
 import json
@@ -55,10 +56,36 @@ class Config:
     mask_token: str = ""  # a token or an id; "": the tokenizer's mask token, or the first free row
     sliding_layers: int = 4  # the first n drafter layers attend in a sliding window, the rest fully
     sliding_window: int = 2048  # tokens, for sliding layers
+    init_drafter: str = ""  # start from this released-format drafter instead of a random init
+    # data
+    data: str = "train.jsonl"  # conversations, JSONL or JSON array (OpenAI messages or ShareGPT)
+    max_length: int = 3072  # tokens per sequence, right-truncated
+    batch_size: int = 1  # sequences per micro-batch (one drafter rank, one forward)
+    grad_accum: int = 1  # micro-batches per drafter rank per optimizer step
+    skip_invalid: bool = False  # skip (and count) broken records instead of stopping at the first
+    pad_multiple: int = 128  # sequence length bucket, tokens (fewer distinct shapes, no recompiles)
+    # objective (loss.py): the DFlash loss over num_anchors blocks a sequence
+    num_anchors: int = 512  # blocks per sequence (padded with invalid blocks: fixed shapes)
+    # over block offsets: decay = exp(-(k-1)/gamma) | dpace (loss.dpace_weights)
+    loss_weighting: str = "decay"
+    gamma: float = 7.0  # decay's scale
+    dpace_alpha: float = 0.5  # dpace's smoothing of the drafter's confidence, (1 - alpha) q + alpha
+    loss_chunk: int = 64  # blocks per LM-head+CE chunk (0: a sequence's); logits exist per chunk
+    # arms, each off by default (loss.py holds their heads and terms): DSpark's Markov head,
+    # confidence head and target-distribution term; Domino's correction
     markov_rank: int = 0  # > 0: DSpark's low-rank Markov head of this rank (loss.MarkovHead)
     # DSpark's confidence head (loss.ConfidenceHead): per drafted position, the chance the
     # target accepts it; the engines size verification from it. Needs markov_rank > 0
     confidence_head: bool = False
+    confidence_weight: float = 1.0  # the confidence head's BCE beside them (DSpark: 1.0)
+    # the confidence head trains on detached features: its BCE moves the head alone, never what
+    # the drafter drafts (False: DSpark's, the BCE's gradient reaches the drafter and Markov table)
+    confidence_detached: bool = False
+    # the target's distribution p (its final state through the LM head) as a target beside the
+    # CE: none | kl = KL(p || q) | l1 = sum_v |q_v - p_v| (2x total variation: DSpark's L1)
+    kd_loss: str = "none"
+    # per row (1 - kd_weight) CE + kd_weight KD; 0.9 with l1 is DSpark's CE 0.1 + L1 0.9
+    kd_weight: float = 0.9
     # > 0: Domino's causal correction of this GRU width (loss.domino_head; SpecForge's Domino uses
     # a quarter of the hidden size), through domino_emb_dim to the vocabulary
     domino_gru_dim: int = 0
@@ -67,29 +94,6 @@ class Config:
     # to 0 by domino_base_decay of the run; the corrected logits' CE weighs the rest (SpecForge)
     domino_base_start: float = 1.0
     domino_base_decay: float = 0.5
-    init_drafter: str = ""  # start from this released-format drafter instead of a random init
-    # data
-    data: str = "train.jsonl"  # conversations, JSONL or JSON array (OpenAI messages or ShareGPT)
-    max_length: int = 3072  # tokens per sequence, right-truncated
-    batch_size: int = 1  # sequences per micro-batch (one drafter rank, one forward)
-    grad_accum: int = 1  # micro-batches per drafter rank per optimizer step
-    num_anchors: int = 512  # blocks per sequence (padded with invalid blocks: fixed shapes)
-    # over block offsets: decay = exp(-(k-1)/gamma) | dpace (loss.dpace_weights)
-    loss_weighting: str = "decay"
-    gamma: float = 7.0  # decay's scale
-    dpace_alpha: float = 0.5  # dpace's smoothing of the drafter's confidence, (1 - alpha) q + alpha
-    loss_chunk: int = 64  # blocks per LM-head+CE chunk (0: a sequence's); logits exist per chunk
-    # the target's distribution p (its final state through the LM head) as a target beside the
-    # CE: none | kl = KL(p || q) | l1 = sum_v |q_v - p_v| (2x total variation: DSpark's L1)
-    kd_loss: str = "none"
-    # per row (1 - kd_weight) CE + kd_weight KD; 0.9 with l1 is DSpark's CE 0.1 + L1 0.9
-    kd_weight: float = 0.9
-    confidence_weight: float = 1.0  # the confidence head's BCE beside them (DSpark: 1.0)
-    # the confidence head trains on detached features: its BCE moves the head alone, never what
-    # the drafter drafts (False: DSpark's, the BCE's gradient reaches the drafter and Markov table)
-    confidence_detached: bool = False
-    skip_invalid: bool = False  # skip (and count) broken records instead of stopping at the first
-    pad_multiple: int = 128  # sequence length bucket, tokens (fewer distinct shapes, no recompiles)
     # optim
     lr: float = 6e-4  # peak learning rate
     beta1: float = 0.9
@@ -100,7 +104,7 @@ class Config:
     max_steps: int = 0  # optimizer steps; 0 = derived from epochs (it is also the cosine horizon)
     grad_clip: float = 1.0  # global L2 norm
     max_bad_steps: int = 10  # non-finite steps in a row (each skipped) before the run stops
-    # distributed
+    # distributed and precision
     target_ranks: int = 5  # processes per node holding the target (FSDP2 mesh within the node)
     drafter_ranks: int = 3  # processes per node training the drafter (data parallel over all nodes)
     target_shard: str = "fsdp"  # fsdp | replicate (a full target copy per target rank)
@@ -310,6 +314,42 @@ def drafter_loss(cfg, side, batch, hidden_BSC, m, opts=None):
     return dflash_loss(side.drafter, side.tables, inputs, opts or side.opts)
 
 
+def main(cfg):
+    if cfg.plan:  # dry run, nothing loaded: the placement, the memory per GPU, what fits
+        print(plan(cfg))
+        return
+    env = torchrun_env()
+    cfg, why = resolve_dtype(cfg)
+    # a config error: a message naming the field and exit 1, before any process group or GPU memory
+    try:
+        target_config, tokenizer = read_target(cfg.target)
+        validate(cfg, env.world, target_config, tokenizer, env.local_world)
+    except ValueError as e:
+        report_failure(f"[rank {env.rank}] {e}")
+        raise SystemExit(f"[rank {env.rank}] {e}") from None
+    if env.rank == 0:
+        print(why, flush=True)
+    role = role_of(env.rank, *assign_roles(env.world, cfg, env.local_world))
+    watch_for_death(env.rank, role)
+    d = None
+    try:
+        d = setup_dist(cfg, env)
+        train(cfg, d, target_config, tokenizer)
+    except BaseException as e:
+        msg = (f"[rank {env.rank} ({role})] FAILED: {type(e).__name__}: {e}\n"
+               f"{traceback.format_exc()}")
+        sys.stdout.flush()
+        print(f"\n{msg}", end="", file=sys.stderr, flush=True)
+        # a lost peer is a consequence of another rank's exit: stamped after it
+        lost_peer = isinstance(e, dist.DistError) or "by peer" in str(e)
+        report_failure(msg, time.time() + lost_peer)
+        # never wait in NCCL/gloo destructors: torchrun sees the exit and stops every other rank
+        os._exit(1)
+    finally:
+        teardown_dist(d)
+
+
+# ================================================================= plumbing: bookkeeping, config, data, sharding
 @dataclass
 class RunState:
     """What the loop carries from one step to the next besides the weights: the non-finite-step
@@ -401,42 +441,6 @@ class RunState:
                 f"(lower lr, check the data) continue with --resume={ckpt or 'auto'}")
 
 
-def main(cfg):
-    if cfg.plan:  # dry run, nothing loaded: the placement, the memory per GPU, what fits
-        print(plan(cfg))
-        return
-    env = torchrun_env()
-    cfg, why = resolve_dtype(cfg)
-    # a config error: a message naming the field and exit 1, before any process group or GPU memory
-    try:
-        target_config, tokenizer = read_target(cfg.target)
-        validate(cfg, env.world, target_config, tokenizer, env.local_world)
-    except ValueError as e:
-        report_failure(f"[rank {env.rank}] {e}")
-        raise SystemExit(f"[rank {env.rank}] {e}") from None
-    if env.rank == 0:
-        print(why, flush=True)
-    role = role_of(env.rank, *assign_roles(env.world, cfg, env.local_world))
-    watch_for_death(env.rank, role)
-    d = None
-    try:
-        d = setup_dist(cfg, env)
-        train(cfg, d, target_config, tokenizer)
-    except BaseException as e:
-        msg = (f"[rank {env.rank} ({role})] FAILED: {type(e).__name__}: {e}\n"
-               f"{traceback.format_exc()}")
-        sys.stdout.flush()
-        print(f"\n{msg}", end="", file=sys.stderr, flush=True)
-        # a lost peer is a consequence of another rank's exit: stamped after it
-        lost_peer = isinstance(e, dist.DistError) or "by peer" in str(e)
-        report_failure(msg, time.time() + lost_peer)
-        # never wait in NCCL/gloo destructors: torchrun sees the exit and stops every other rank
-        os._exit(1)
-    finally:
-        teardown_dist(d)
-
-
-# ================================================================= plumbing: config, data, sharding
 def parse_config(argv):
     """--field=value overrides, parsed against the field types; a preset applies first. Unknown key:
     error."""
