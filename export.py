@@ -56,8 +56,10 @@ KINDS = ("plain", "dspark", "dspark+confidence", "domino-prefix0", "domino-prefi
 #   p_i = argmax(lm_head(h_i) + embed_proj([h_i ; state])) then state = GRUcell(emb p_i, state).
 #   Its argmax for i >= 1 runs over a candidate pool (the 2048 largest of max_i lm_head(h_i)
 #   over slots 1..K-2) when the vocabulary is larger: drafted tokens equal a full-vocabulary
-#   argmax only when the winner is in that pool. SGLang's parser refuses any prefix other than
-#   1, and its runtime wants CUDA and bf16 projector weights.
+#   argmax only when the winner is in that pool. That rollout has no prefix parameter: its first
+#   proposal is always uncorrected (prefix 1); SGLang's Domino tests expect pure_draft_prefix_len
+#   2 refused, and its runtime checks want CUDA and bf16 projector weights. With shift_label
+#   false it reads slots 1..K-1 instead, which is SpecForge's (false, 1), not our (false, 0).
 
 
 class ExportRefused(ValueError):
@@ -83,9 +85,9 @@ def refusal(consumer, kind):
         return ("vLLM has no Domino speculative method (vllm/config/speculative.py lists dflash "
                 "and dspark); nothing there reads prefix_gru/embed_proj")
     if consumer == "sglang" and kind == "domino-prefix0":
-        return ("SGLang serves Domino only with pure_draft_prefix_len 1 (shift_label true): its "
-                "first drafted token is uncorrected and the GRU state is one token longer than "
-                "this head was trained with; train with domino_shift_label true, prefix 1")
+        return ("SGLang serves Domino only with pure_draft_prefix_len 1: its first drafted token "
+                "is uncorrected and each GRU state one token longer than this head was trained "
+                "with; train with domino_shift_label true, domino_prefix_len 1")
     return None
 
 
@@ -106,7 +108,8 @@ def consumer_config(src, consumer):
 
 def serve_command(consumer, cfg, out, target):
     """The shell command (or Python line) that serves or loads `out` for `consumer`."""
-    K, kind, out_q = cfg.block_size, checkpoint_kind(cfg), shlex.quote(out)
+    K, kind = cfg.block_size, checkpoint_kind(cfg)
+    out_q, target = shlex.quote(out), shlex.quote(target)
     if consumer == "vllm":
         # K - 1 drafted tokens: offset 0 holds the anchor (sample_from_anchor false); K would add
         # a row the drafter never trained
@@ -121,15 +124,16 @@ def serve_command(consumer, cfg, out, target):
         # sets gamma = K - 1. static ragged verify: other modes build a confidence head always
         algo = "DSPARK" if cfg.markov_rank else "DFLASH"
         env = "SGLANG_RAGGED_VERIFY_MODE=static " if kind == "dspark" else ""
-        return (f"{env}python -m sglang.launch_server --model-path {target} --speculative-algorithm "
-                f"{algo} --speculative-draft-model-path {out_q} --speculative-num-draft-tokens {K}")
+        return (f"{env}python -m sglang.launch_server --model-path {target} "
+                f"--speculative-algorithm {algo} --speculative-draft-model-path {out_q} "
+                f"--speculative-num-draft-tokens {K}")
+    module, name = "dflash.model", "DFlashDraftModel"  # z-lab/dflash
     if consumer == "specforge":
-        name = {"plain": "DFlashDraftModel", "dspark": "DSparkDraftModel",
-                "dspark+confidence": "DSparkDraftModel"}.get(kind, "DominoDraftModel")
-        return (f"python -c 'from specforge.modeling.draft import {name}; "
-                f"print({name}.from_pretrained({out!r}))'")
-    return (f"python -c 'from dflash.model import DFlashDraftModel; "
-            f"print(DFlashDraftModel.from_pretrained({out!r}))'")
+        module, name = "specforge.modeling.draft", {
+            "plain": "DFlashDraftModel", "dspark": "DSparkDraftModel",
+            "dspark+confidence": "DSparkDraftModel"}.get(kind, "DominoDraftModel")
+    code = f"from {module} import {name}; print({name}.from_pretrained({json.dumps(out)}))"
+    return f"python -c {shlex.quote(code)}"
 
 
 def notes(consumer, kind):
