@@ -193,6 +193,11 @@ class DrafterConfig:
     # far and an MLP through domino_emb_dim to the vocabulary, added to each offset's logits
     domino_gru_dim: int = 0
     domino_emb_dim: int = 256
+    # the Domino head's block layout, as SpecForge's dflash_config names it (export.py spells out
+    # both): (false, 0) offset k predicts anchor + k, corrected from the tokens at offsets 0..k-1;
+    # (true, 1) offset k predicts anchor + k + 1, offset 0 uncorrected (SGLang's only form)
+    domino_shift_label: bool = False
+    domino_prefix_len: int = 0  # pure_draft_prefix_len: leading predictions left uncorrected
 
     def __post_init__(self):
         if self.layer_types is None:
@@ -213,6 +218,11 @@ class DrafterConfig:
         if self.domino_gru_dim and (self.markov_rank or self.domino_emb_dim <= 0):
             raise ValueError("domino_gru_dim > 0 (a Domino head) needs markov_rank 0 (one correction "
                              f"head: Domino or DSpark) and domino_emb_dim > 0, got {self.domino_emb_dim}")
+        layout = (bool(self.domino_shift_label), int(self.domino_prefix_len))
+        if layout != (False, 0) and (not self.domino_gru_dim or layout != (True, 1)):
+            raise ValueError(f"a Domino head with shift_label {str(layout[0]).lower()} and "
+                             f"pure_draft_prefix_len {layout[1]} is not a form this trainer builds "
+                             "(false with 0, or true with 1; a layout needs domino_gru_dim > 0)")
 
     def num_params(self):
         """The drafter's trainable parameters, from the config alone (the memory plan's, before
@@ -243,11 +253,11 @@ class DrafterConfig:
         head = {**dspark, "sample_from_anchor": False, "mask_token_id": self.mask_token_id,
                 "target_layer_ids": list(self.target_layer_ids)} if self.markov_rank else {}
         # a Domino head as SpecForge's DominoDraftModel reads one (specforge/modeling/draft/
-        # domino.py): projector_type domino, its two widths, our block layout (offset k corrected
-        # from the tokens at offsets 0..k-1: shift_label false, no uncorrected prefix)
+        # domino.py): projector_type domino, its two widths, the block layout (export.py)
         domino = {"projector_type": "domino", "emb_dim": self.domino_emb_dim,
-                  "gru_hidden_dim": self.domino_gru_dim, "pure_draft_prefix_len": 0,
-                  "shift_label": False} if self.domino_gru_dim else {}
+                  "gru_hidden_dim": self.domino_gru_dim,
+                  "pure_draft_prefix_len": self.domino_prefix_len,
+                  "shift_label": self.domino_shift_label} if self.domino_gru_dim else {}
         arch = ("Qwen3DSparkModel" if self.markov_rank else
                 "DominoDraftModel" if self.domino_gru_dim else "DFlashDraftModel")
         return {
@@ -293,10 +303,9 @@ class DrafterConfig:
                   confidence_head=bool(dc.get("enable_confidence_head",
                                               d.get("enable_confidence_head", False))))
         if dc.get("projector_type") == "domino":
-            if dc.get("shift_label", False) or dc.get("pure_draft_prefix_len", 0):
-                raise ValueError(f"{where}: a Domino head with shift_label true or pure_draft_prefix_len "
-                                 f"> 0 is not a form this trainer builds (ours: false, 0)")
-            kw.update(domino_gru_dim=int(dc["gru_hidden_dim"]), domino_emb_dim=int(dc["emb_dim"]))
+            kw.update(domino_gru_dim=int(dc["gru_hidden_dim"]), domino_emb_dim=int(dc["emb_dim"]),
+                      domino_shift_label=bool(dc.get("shift_label", False)),
+                      domino_prefix_len=int(dc.get("pure_draft_prefix_len", 0)))
         with_markov = (dc.get("confidence_head_with_markov"), d.get("confidence_head_with_markov"))
         if kw["confidence_head"] and False in with_markov:
             raise ValueError(f"{where}: a confidence head on the hidden state alone (confidence_"
@@ -311,7 +320,10 @@ class DrafterConfig:
                 raise ValueError(f"{where}: required field {name!r} is missing")
         kw.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
         kw.setdefault("num_target_layers", max(kw["target_layer_ids"]) + 3)
-        return cls(**kw)
+        try:
+            return cls(**kw)
+        except ValueError as e:  # a config the trainer does not build: name the file
+            raise ValueError(f"{where}: {e}") from None
 
 
 def build_target_layer_ids(num_target_layers, n):
