@@ -26,9 +26,9 @@ import eval as ev
 import train
 from attention import (build_masks, compile_count, configure_compile, dflash_block_mask,
                        flex_compiled)
-from loss import Rows, head_loss, sample_anchors
+from loss import Rows, final_states, head_loss, sample_anchors
 from model import DFlashDrafter, DrafterConfig, build_target_layer_ids
-from ranks import Colocated, GiB, final_states, memory_need, setup_dist, torchrun_env
+from ranks import Colocated, GiB, memory_need, setup_dist, torchrun_env
 from target import Capture, Float8Frozen, fla_short_conv, load_for_generation, load_tokenizer
 
 # Qwen3.6-27B text stack (3 Gated-DeltaNet + 1 gated full-attention layer, 16 times), shapes as we
@@ -109,7 +109,7 @@ class RandomBatches:
 
 def random_states(dcfg, dtype, final=False):
     """In place of a target's capture: random target states [B, S, nK*D] (final: + D, the target's
-    final states, as train.py sends them for ranks.final_states), one tensor per shape."""
+    final states, as train.py sends them for loss.final_states), one tensor per shape."""
     made = {}
 
     def capture(ids_BS):

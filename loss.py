@@ -324,7 +324,7 @@ class HeadBridge(torch.autograd.Function):
             for g_all, g in zip(g_rows, grads[:n]):
                 if g is not None:
                     g_all[j] = g
-            if g_logits is not None:
+            if g_logits is not None and job.names[:1] == ("out_MD",):
                 g_rows[0][j] += job.head.input_grad(g_logits, g_rows[0].dtype)
             for k, g in enumerate(grads[n:]):
                 if g is not None:
@@ -349,7 +349,6 @@ def head_loss(rows, head, drafter, opts):
     rows = rows if teacher else replace(rows, teacher_MD=None)
     names = tuple(f.name for f in fields(rows) if isinstance(getattr(rows, f.name), torch.Tensor)
                   and getattr(rows, f.name).requires_grad)
-    assert names[:1] == ("out_MD",), names
     params = tuple(p for p in drafter.parameters() if p.requires_grad)
     # the blend's weight changes every step: a tensor, so that the compiled chunk_loss reads it as
     # an input instead of compiling anew for each value
@@ -387,3 +386,18 @@ def dflash_loss(drafter, tables, batch, opts=LossOptions()):
     rows = draft_rows(drafter, tables.embed_VD, batch, opts)
     loss_sum, correct_M = head_loss(rows, tables.head_VD, drafter, opts)
     return block_stats(loss_sum, correct_M, rows, batch.keep_BN, opts)
+
+
+# ----------------------------------------------------------------------------- what the arms ask of the rest
+def final_states(cfg, dcfg):
+    """Does this run need the target's final hidden states (after its final norm)? For the
+    target-distribution term (Config.kd_loss) and the confidence head's label."""
+    return cfg.kd_loss != "none" or dcfg.confidence_head
+
+
+def domino_bytes(dcfg, rows, chunk, b):
+    """A Domino head's memory on a drafter rank (ranks.memory_estimate), b bytes an element: the
+    GRU's inputs, gates and states and the MLP's per block row; per chunk of rows its logits, their
+    sum with the LM head's, the base CE's fp32 softmax."""
+    G, E, D, V = dcfg.domino_gru_dim, dcfg.domino_emb_dim, dcfg.hidden_size, dcfg.vocab_size
+    return bool(G) * (rows * (D + 5 * G + 2 * E) * b + chunk * V * (2 * b + 4))

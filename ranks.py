@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from loss import domino_bytes, final_states
+
 
 # ----------------------------------------------------------------------------- processes, roles and groups
 TorchrunEnv = namedtuple("TorchrunEnv", "rank world local_rank local_world run_id error_file")
@@ -200,7 +202,6 @@ def memory_estimate(cfg, dcfg, target_config, targets_per_node, num_anchors=None
     D, F, V, K, L = dcfg.hidden_size, dcfg.intermediate_size, dcfg.vocab_size, dcfg.block_size, dcfg.num_hidden_layers
     q, kv = dcfg.num_attention_heads * dcfg.head_dim, dcfg.num_key_value_heads * dcfg.head_dim
     nK, fin, P = len(dcfg.target_layer_ids), final_states(cfg, dcfg), dcfg.num_params()
-    G, E = dcfg.domino_gru_dim, dcfg.domino_emb_dim
     R, C = B * N * K, B * S  # block rows, context positions
     chunk = min((cfg.loss_chunk or N) * K, R)  # rows per LM-head chunk
     tc = target_config.get_text_config()
@@ -215,9 +216,7 @@ def memory_estimate(cfg, dcfg, target_config, targets_per_node, num_anchors=None
                          "target states": C * nS * D * b + fin * R * D * b,
                          "activations": (L * (R * (4 * D + 3 * q + 3 * kv + 3 * F) + (C + R) * 3 * kv) + C * 2 * D) * b,
                          "LM-head chunk": chunk * V * (2 * b + 8 + fin * (b + 12)) + R * D * b,
-                         # a Domino head: the GRU's inputs, gates and states and the MLP's per row; per
-                         # chunk its logits, their sum with the LM head's, the base CE's fp32 softmax
-                         "Domino head": bool(G) * (R * (D + 5 * G + 2 * E) * b + chunk * V * (2 * b + 4)),
+                         "Domino head": domino_bytes(dcfg, R, chunk, b),
                          # CPU: SDPA with a dense [B, 1, Q, KV] mask materializes the scores of every layer type
                          "dense attention": 0 if on_gpu(cfg.device) else B * (dcfg.num_attention_heads * 2 * b + 2)
                          * N * K * (S + N * K) * len(set(dcfg.layer_types))},
@@ -226,12 +225,6 @@ def memory_estimate(cfg, dcfg, target_config, targets_per_node, num_anchors=None
                         "activations": C * (6 * tc.hidden_size + 3 * tc.intermediate_size) * b,
                         "states in flight": C * nS * D * b * (cfg.prefetch + 1)}}
     return {role: {k: v / GiB for k, v in p.items()} for role, p in parts.items()}
-
-
-def final_states(cfg, dcfg):
-    """Does this run need the target's final hidden states (after its final norm)? For the
-    target-distribution loss (Config.kd_loss) and the confidence head's label."""
-    return cfg.kd_loss != "none" or dcfg.confidence_head
 
 
 def _target_params(target_config, n, _seen={}):

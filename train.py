@@ -36,10 +36,10 @@ from checkpoint import (list_ckpts, lock_run_dir, log_line, log_skipped, open_ru
                         plot_curves, resume_point, save_checkpoint, step_metrics,
                         warn_config_changes, write_done, write_run_info)
 from fp8 import Float8Head
-from loss import LossBatch, LossOptions, Tables, dflash_loss, sample_anchors
+from loss import LossBatch, LossOptions, Tables, dflash_loss, final_states, sample_anchors
 from model import DFlashDrafter, DrafterConfig, drafter_config_from_target, load_drafter, to_float8
 from ranks import (USABLE, Colocated, Dist, Receiver, assign_roles, drafter_schedule,
-                   final_states, largest_anchors, memory_check, on_gpu, per_step, placement_table,
+                   largest_anchors, memory_check, on_gpu, per_step, placement_table,
                    reduce_stats, report_failure, role_of, run_target, setup_dist, teardown_dist,
                    torchrun_env, watch_for_death)
 from target import (FINAL, default_dtype, frozen_tables, load_for_capture, read_target,
