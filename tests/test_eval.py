@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import eval as ev
+import report
 from model import DFlashDrafter, drafter_config_from_target, save_drafter
 from target import features
 
@@ -150,16 +151,16 @@ def test_confidence_calibration_on_hand_made_cycles():
     0.5) with none. Predicted prefix acceptance = the running product: (0.9, 0.45, 0.225) and
     (0.8, 0.8, 0.4); realized: (1, 1, 0) and (0, 0, 0); per offset the sums of the predictions and
     of the squared errors, then the means over cycles."""
-    sums = ev.calibration_sums([[0.9, 0.5, 0.5], [0.8, 1.0, 0.5]], [3, 1])
+    sums = report.calibration_sums([[0.9, 0.5, 0.5], [0.8, 1.0, 0.5]], [3, 1])
     want_pred, want_sq = [1.7, 1.25, 0.625], [0.01 + 0.64, 0.3025 + 0.64, 0.225 ** 2 + 0.16]
     for got, want in ((sums["conf_pred"], want_pred), (sums["conf_sq_err"], want_sq)):
         assert got == pytest.approx(want)
-    cal = ev.calibration([sums], [0.5, 0.5, 0.0], 2)
+    cal = report.calibration([sums], [0.5, 0.5, 0.0], 2)
     assert cal["predicted"] == pytest.approx([0.85, 0.625, 0.3125])
     assert cal["brier"] == pytest.approx([x / 2 for x in want_sq])
     assert cal["realized"] == [0.5, 0.5, 0.0]
-    assert ev.calibration_sums([None, None], [1, 2]) == {}
-    assert ev.calibration([{}], [0.5], 1) is None
+    assert report.calibration_sums([None, None], [1, 2]) == {}
+    assert report.calibration([{}], [0.5], 1) is None
 
 
 def test_confidence_head_stays_lossless_and_is_reported(llama):
@@ -491,11 +492,11 @@ def test_split_prompts_merge_to_one_run(monkeypatch, llama, dtype, temperature):
     one = ev.evaluate(target, None, drafter, ps, ev.EvalOptions(**kw))
     parts = [ev.evaluate(target, None, drafter, ps[k::3], ev.EvalOptions(**kw),
                          indices=range(k, 4, 3)) for k in range(3)]
-    merged = ev._merge(parts)
+    merged = report.merge(parts)
     for key in EXACT:
         assert merged[key] == one[key], key
     assert merged["config"] == dict(one["config"], workers=3)
-    assert merged["time_s"] == {k: sum(p["time_s"][k] for p in parts) for k in ev.TIME_KEYS}
+    assert merged["time_s"] == {k: sum(p["time_s"][k] for p in parts) for k in report.TIME_KEYS}
     if temperature == 0:
         assert [d["prompt"] for d in merged["divergences"]] == [0, 1, 2, 3] and merged["lossless"] is False
     else:  # the seeds matter: a worker numbering its prompts from 0 would decode prompt 3 as prompt 0 of its share
@@ -597,7 +598,7 @@ def test_cli_demo_untrained_vs_trained(saved, llama, tmp_path, monkeypatch, caps
     out = capsys.readouterr().out
     assert f"acceptance length tau (as the authors count it): untrained {u['tau']:.2f} -> trained {t['tau']:.2f}" \
            f"   (pooled over verify cycles: {u['tau_pooled']:.2f} -> {t['tau_pooled']:.2f})" in out
-    assert f"trained (ckpt-0000001): {ev.summary(t)}" in out
+    assert f"trained (ckpt-0000001): {report.summary(t)}" in out
 
 # -----------------------------------------------------------------------------
 # --watch: every checkpoint of a training run, as it appears
@@ -668,7 +669,7 @@ def test_watch_counts_pruned_checkpoints(tmp_path, llama):
     fake = dict(tau=2.0, tau_pooled=1.5, tau_ci95=[1.5, 2.5], tau_committed=1.5, tau_committed_pooled=1.5,
                 speedup=None, lossless=None, divergences=[], accept_hist=[1, 1], cycles=2, pos_accept=[0.5],
                 config=dict(block_size=2, prompts=1, dtype="float32"), per_prompt=[{}], plain_tokens=0,
-                spec_tok_s=1.0, time_s=dict.fromkeys(ev.TIME_KEYS, 0.0))
+                spec_tok_s=1.0, time_s=dict.fromkeys(report.TIME_KEYS, 0.0))
 
     def evaluate_ckpt(path):
         if path.endswith("ckpt-0000002"):
@@ -742,8 +743,8 @@ def test_engine_counts_on_hand_made_cycles():
     B = dict(lengths=[3, 4], committed=[3, 2], new_tokens=6, tau=7 / 2, tau_committed=5 / 2)
     C = dict(lengths=[2], committed=[0], new_tokens=1, tau=2.0, tau_committed=0.0)
     # the authors': every cycle, the mean of per-prompt means
-    assert ev.tau_figures([A, B, C])["tau"] == pytest.approx((3.25 + 3.5 + 2) / 3)
-    e = ev.engine_figures([A, B, C], 4)
+    assert report.tau_figures([A, B, C])["tau"] == pytest.approx((3.25 + 3.5 + 2) / 3)
+    e = report.engine_figures([A, B, C], 4)
     # SGLang: completion tokens (the first one too) / verify cycles per request; C has no verify
     assert e["tau_sglang"] == pytest.approx((10 / 3 + 6 / 2) / 2)
     # vLLM: 1 + accepted / drafts over the engines' 5 cycles: accepted 3, 3, 0 | 2, 3
@@ -751,7 +752,7 @@ def test_engine_counts_on_hand_made_cycles():
     assert e["vllm_pos_accept"] == pytest.approx([4 / 5, 4 / 5, 3 / 5])  # accepted >= 1, 2, 3
     assert e["vllm_draft_accept_rate"] == pytest.approx(11 / 15)
     none = dict.fromkeys(["tau_sglang", "tau_vllm", "vllm_pos_accept", "vllm_draft_accept_rate"])
-    assert ev.engine_figures([C], 4) == none  # nothing drafted: neither engine prints a figure
+    assert report.engine_figures([C], 4) == none  # nothing drafted: neither engine prints a figure
 
 
 def test_engine_counts_of_a_real_decode(monkeypatch, llama):
@@ -771,7 +772,7 @@ def test_engine_counts_of_a_real_decode(monkeypatch, llama):
                         ev.EvalOptions(41, block_size=4, eos_ids=[greedy[0]]))
     assert first["tau"] == 4 and first["tau_sglang"] is None and first["tau_vllm"] is None
     assert ("as engines print it: SGLang spec_accept_length 4.100, "
-            "vLLM mean acceptance length 4.000") in ev.summary(res)
+            "vLLM mean acceptance length 4.000") in report.summary(res)
 
 
 BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -867,9 +868,9 @@ def test_macro_interval_resamples_each_set_on_its_own():
     interval, shifted and halved."""
     rec = lambda tau: dict(tau=tau, lengths=[tau], committed=[tau], tau_committed=tau)
     a, b = [rec(1.0), rec(2.0), rec(4.0)], [rec(10.0)] * 5
-    res = {"a": dict(ev.tau_figures(a), per_prompt=a, tau_sglang=2.0, tau_vllm=None, speedup=1.0),
-           "b": dict(ev.tau_figures(b), per_prompt=b, tau_sglang=9.0, tau_vllm=None, speedup=3.0)}
-    m = ev.macro_figures(res)
+    res = {"a": dict(report.tau_figures(a), per_prompt=a, tau_sglang=2.0, tau_vllm=None, speedup=1.0),
+           "b": dict(report.tau_figures(b), per_prompt=b, tau_sglang=9.0, tau_vllm=None, speedup=3.0)}
+    m = report.macro_figures(res)
     assert m["tau"] == pytest.approx((7 / 3 + 10) / 2) and m["sets"] == 2
     assert m["tau_sglang"] == 5.5 and m["speedup"] == 2.0
     assert m["tau_vllm"] is None  # a set without the figure: no macro figure
@@ -959,7 +960,7 @@ def test_cli_bench_one_json_and_plot(saved, llama, tmp_path, capsys):
     assert [r["prompt_tokens"] for r in mt[1::2]] == [len(ev.render(tok, m)) for m in second]
     assert sets["mt-bench"]["tau"] == pytest.approx(sum(r["tau"] for r in mt) / 4)
     out = capsys.readouterr().out
-    assert ev.sets_summary(res) in out and "\nmacro mean" in out
+    assert report.sets_summary(res) in out and "\nmacro mean" in out
 
 
 def test_cli_bench_workers_decode_single_turn_sets_together(saved, llama, tmp_path, capsys):
