@@ -47,6 +47,26 @@ class Decoding:
     eos: frozenset = frozenset()  # token ids (any set)
     temperature: float = 0.0
     generator: torch.Generator | None = None
+    rule: str = "match"  # how a block is verified at temperature > 0: one of RULES
+    adaptive: float | None = None  # verify only the drafts the confidence head clears (verify_length)
+
+
+# Verification at temperature > 0 (greedy, every rule is "accept while the draft is the argmax").
+# match: the authors' loop (z-lab/dflash): drafts sampled from the drafter at the temperature,
+#   accepted while equal to an independent sample of the target; lossless, accepts sum_x p(x)q(x).
+# ratio: the engines' rule. vllm-project/vllm vllm/v1/sample/rejection_sampler.py at 7f6fc1c
+#   (rejection_random_sample_kernel, sample_recovered_tokens_kernel with NO_DRAFT_PROBS) and
+#   sgl-project/sglang python/sglang/srt/speculative/dflash_utils.py at 00731f0
+#   (compute_dflash_sampling_correct_drafts_and_bonus: draft_probs all zero, into
+#   sgl-kernel/csrc/speculative/speculative_sampling.cuh at b227f63, TreeSpeculativeSamplingTargetOnly
+#   with thresholds 1) both verify a DFlash block without a draft distribution: the drafts are the
+#   drafter's argmax (vllm/v1/spec_decode/dflash.py at da4dbe3: logits.argmax) and q is one-hot.
+#   Draft x is accepted when u <= p(x) / q(x) = p(x); on rejection the token is drawn from
+#   norm(max(0, p - q)) = p without x; after K-1 acceptances the bonus is drawn from p.
+# ratio_sampled: the same test with drafts sampled from the drafter's q at the temperature
+#   (Leviathan et al. 2023, arXiv 2211.17192; vLLM's path when a proposer hands it draft_probs):
+#   accepts sum_x min(p(x), q(x)) = 1 - TV(p, q), what an L1 or confidence term trains for.
+RULES = ("match", "ratio", "ratio_sampled")
 
 
 def pick(logits, how):
@@ -75,15 +95,80 @@ def crop(cache, length):
         cache.crop(-remove)
 
 
-def draft(drafter, target, block_1K, new_hidden_1TC, cache, start, how):
+def draft(drafter, target, block_1K, new_hidden_1TC, cache, start, how, probs=None):
     """One drafter call -> (drafts for block offsets 1..K-1 [1, K-1], cache of 0..start-1, the
-    confidence head's probabilities for them [K-1], None without one); tests replace it."""
+    confidence head's probabilities for them [K-1], None without one); tests replace it. Drafts
+    are the argmax under rule "ratio" (the engines draft greedily), else picked as `how` picks,
+    each with the Markov / Domino bias of the token drafted before it; probs: a list that gets
+    the drafter's distributions q [K-1, V] at the temperature (rule "ratio_sampled")."""
     x_1KD = F.embedding(block_1K, target.get_input_embeddings().weight)  # raw rows, exactly as dflash_loss embeds
     h_1KD, cache = drafter.forward_cached(x_1KD, new_hidden_1TC, cache, start)
     logits = target.get_output_embeddings()(h_1KD[:, 1:])  # offset 0 is the clean anchor: its output is unused
-    toks, conf = drafter.draft_tokens(logits, h_1KD[:, 1:], block_1K[:, 0], lambda x: pick(x, how),
+    draft_how = replace(how, temperature=0.0) if how.rule == "ratio" else how
+    seen = []  # the biased logits each pick saw, offset by offset (or all offsets at once)
+
+    def choose(x):
+        seen.append(x)
+        return pick(x, draft_how)
+    toks, conf = drafter.draft_tokens(logits, h_1KD[:, 1:], block_1K[:, 0], choose,
                                       target.get_input_embeddings().weight)
-    return toks, cache, conf
+    if probs is not None:
+        q = torch.cat([x.reshape(-1, x.shape[-1]) for x in seen]).float() / how.temperature
+        probs.append(torch.softmax(q, -1))
+    return toks, cache, None if conf is None else conf[0]
+
+
+def verify_length(conf, threshold):
+    """The drafts to verify under an adaptive length: the leading offsets whose predicted prefix
+    acceptance (the confidence head's probabilities multiplied up to the offset, as the engines
+    plan with it) is at least threshold."""
+    run, n = 1.0, 0
+    for c in conf:
+        run *= c
+        if run < threshold:
+            break
+        n += 1
+    return n
+
+
+def residual(p_V, x, q_V):
+    """Where a rejected draft x sends the token: norm(max(0, p - q)), q one-hot at x without a draft
+    distribution (None). Tests plant wrong rules here."""
+    if q_V is not None:
+        r = (p_V - q_V).clamp(min=0)
+    else:
+        r = p_V.clone()
+        r[x] = 0.0
+    return r if r.sum() > 0 else p_V  # p == q: never rejected in exact arithmetic
+
+
+def ratio_test(drafts, q_JV, logits_KV, how):
+    """The probability-ratio test (see RULES) of drafts [J] against the target's logits of the
+    J + 1 verified positions -> (drafts accepted a, the token after them)."""
+    p_KV = torch.softmax(logits_KV.float() / how.temperature, dim=-1)
+    J = len(drafts)
+    x = torch.tensor(drafts, device=p_KV.device, dtype=torch.long)
+    px = p_KV[torch.arange(J, device=p_KV.device), x]
+    qx = q_JV[torch.arange(J, device=p_KV.device), x] if q_JV is not None else torch.ones_like(px)
+    u = torch.rand(J, generator=how.generator, device=p_KV.device, dtype=torch.float64)
+    ok = ((qx > 0) & (u <= px.double() / qx.double())).tolist()  # vLLM: target/draft >= uniform
+    a = next((j for j in range(J) if not ok[j]), J)
+    last = p_KV[a] if a == J else residual(p_KV[a], drafts[a], None if q_JV is None else q_JV[a])
+    return a, int(torch.multinomial(last, 1, generator=how.generator))
+
+
+def verify_block(block_K, q_JV, logits_KV, how):
+    """Block tokens [anchor, drafts ...] [K] and the target's logits at those positions -> (the
+    block as a list, drafts accepted, the next token: the target's at the first rejection, or the
+    bonus after all of them)."""
+    if how.temperature > 0 and how.rule != "match":
+        blk = block_K.tolist()
+        return (blk, *ratio_test(blk[1:], q_JV, logits_KV, how))
+    # greedy, or the authors' loop: an independent target sample compared by token equality;
+    # post[k] = the target's token after block position k
+    blk, post = torch.stack([block_K, pick(logits_KV, how)]).tolist()  # one sync
+    a = next((j for j in range(len(blk) - 1) if blk[j + 1] != post[j]), len(blk) - 1)
+    return blk, a, post[a]
 
 
 def _clock(dev, times=None, key=None, t0=0.0):
@@ -118,23 +203,24 @@ def spec_decode(target, drafter, prompt_ids, block_size, how, times=None):
         new_hidden = features(out.hidden_states, drafter.cfg.target_layer_ids)
     t = _clock(dev, times, "prefill", t)
     lengths, confs = [], []  # per verify cycle: drafts accepted + the bonus; the confidence head's
+    sampled_q = how.rule == "ratio_sampled" and how.temperature > 0
     while len(gen) <= max_new and not (lengths and eos.intersection(gen)):
         start = len(prompt_ids) + len(gen) - 1  # position of the anchor, gen[-1]; the target cache holds 0..start-1
         block = torch.full((1, K), drafter.cfg.mask_token_id if K > 1 else 0, dtype=torch.long, device=dev)
         block[0, 0] = gen[-1]
+        n, qs = K - 1, [] if sampled_q else None  # drafts verified; their q (sampled drafts)
         if K > 1:
             block[:, 1:], cache_d, conf = draft(drafter, target, block, new_hidden, cache_d, start,
-                                                how)
+                                                how, **({} if qs is None else dict(probs=qs)))
             confs.append(None if conf is None else conf.tolist())
+            if how.adaptive is not None:
+                n = verify_length(confs[-1], how.adaptive)
             t = _clock(dev, times, "draft", t)
-        out = target(input_ids=block, position_ids=torch.arange(start, start + K, device=dev)[None],
+        out = target(input_ids=block[:, :n + 1], position_ids=torch.arange(start, start + n + 1, device=dev)[None],
                      **{kv: cache_t}, use_cache=True, output_hidden_states=K > 1)
-        # posterior[k] = the target's token after block position k; at temperature > 0 an independent target
-        # sample compared by token equality, as the authors' loop does, not a probability-ratio test
-        blk, post = torch.stack([block[0], pick(out.logits[0], how)]).tolist()  # one sync
+        blk, a, nxt = verify_block(block[0, :n + 1], qs[0][:n] if qs else None, out.logits[0], how)
         t = _clock(dev, times, "verify", t)
-        a = next((j for j in range(K - 1) if blk[j + 1] != post[j]), K - 1)  # drafts accepted
-        gen += blk[1:a + 1] + [post[a]]  # accepted drafts + bonus
+        gen += blk[1:a + 1] + [nxt]  # accepted drafts + the target's token (the bonus if all were)
         lengths.append(a + 1)
         crop(cache_t, start + a + 1)  # block positions 0..a stay (their K/V is exact); the bonus has none yet
         if K > 1:  # new drafter context: target features of block positions 0..a (the bonus has none yet)
@@ -198,6 +284,27 @@ class EvalOptions:
     eos_ids: list | None = None  # default: the tokenizer's EOS and the generation config's
     seed: int = 0  # prompt i (its global index) samples from seed + i
     warmup: bool = True  # a short first decode off the clock: allocator and kernel set-up
+    # at temperature > 0 the verification rules (RULES): the first gives the main figures, each
+    # other one more decode of every prompt, reported beside them under "variants"
+    verify: tuple = ("match", "ratio")
+    adaptive: float | None = None  # also decode verifying only the drafts the confidence head clears
+
+
+def variants(opts, K):
+    """The decodes beside the main one: name -> the fields they change in Decoding."""
+    out = {}
+    if opts.temperature > 0 and K > 1:
+        out.update({rule: dict(rule=rule) for rule in opts.verify[1:]})
+    if opts.adaptive is not None and K > 1:
+        out["adaptive"] = dict(rule=opts.verify[0], adaptive=opts.adaptive)
+    return out
+
+
+def prompt_record(p, out, lengths, committed):
+    """One prompt's decode as eval.json holds it (per_prompt)."""
+    return dict(prompt_tokens=len(p), prompt_sha=prompt_sha(p), new_tokens=len(out), cycles=len(lengths),
+                tau=sum(lengths) / max(len(lengths), 1), lengths=lengths, committed=committed,
+                tau_committed=sum(committed) / max(sum(n > 0 for n in committed), 1))
 
 
 def evaluate(target, tokenizer, drafter, prompts, opts=EvalOptions(), indices=None):
@@ -215,37 +322,54 @@ def evaluate(target, tokenizer, drafter, prompts, opts=EvalOptions(), indices=No
     prompts = [p if p and isinstance(p[0], int) else render(tokenizer, p) for p in prompts]
     dev, dtype = target.device, next(target.parameters()).dtype
 
-    def how(i, max_new=opts.max_new_tokens):  # prompt i's decoding, its own seeded generator
+    def how(i, max_new=opts.max_new_tokens, **kw):  # prompt i's decoding, its own seeded generator
         gen = torch.Generator(device=dev).manual_seed(opts.seed + i)
-        return Decoding(max_new, eos, opts.temperature, gen)
+        return Decoding(max_new, eos, opts.temperature, gen, **dict(dict(rule=opts.verify[0]), **kw))
+    extra = variants(opts, K)
+    if opts.adaptive is not None and not (dc and dc.confidence_head):
+        raise ValueError("--adaptive needs a drafter with a confidence head (config.json: confidence_head)")
+    if unknown := set(opts.verify) - set(RULES):
+        raise ValueError(f"--verify: unknown rule(s) {sorted(unknown)}; known: {', '.join(RULES)}")
     if opts.warmup:  # first calls pay allocator/kernel set-up; keep them off the clock
         spec_decode(target, drafter, prompts[0], K, how(0, min(opts.max_new_tokens, 2 * K)))
         plain_decode(target, prompts[0], how(0, min(opts.max_new_tokens, 2 * K)))
     ref = functools.cache(lambda: target if dtype == torch.float32 else copy.deepcopy(target).float())
     c = dict(new_tokens=0, spec_s=0.0, plain_tokens=0, plain_s=0.0, time_s=dict.fromkeys(TIME_KEYS, 0.0),
-             per_prompt=[], divergences=[])
+             per_prompt=[], divergences=[],
+             variants={name: dict(kw, new_tokens=0, spec_s=0.0, per_prompt=[], divergences=[])
+                       for name, kw in extra.items()})
     for i, p in zip(range(len(prompts)) if indices is None else indices, prompts):
         t0 = _clock(dev)
         out, lengths, committed, confs = spec_decode(target, drafter, p, K, how(i), c["time_s"])
         c["spec_s"] += _clock(dev) - t0
         c["new_tokens"] += len(out)
         c["per_prompt"].append(dict(
-            prompt_tokens=len(p), prompt_sha=prompt_sha(p), new_tokens=len(out), cycles=len(lengths),
-            tau=sum(lengths) / max(len(lengths), 1), lengths=lengths, committed=committed,
-            tau_committed=sum(committed) / max(sum(n > 0 for n in committed), 1),
+            prompt_record(p, out, lengths, committed),
             output_ids=out,  # the history of a later turn (--bench mt-bench); runs compared
             **calibration_sums(confs, lengths)))
-        if not opts.check_lossless:
-            continue
-        t0 = _clock(dev)
-        base = plain_decode(target, p, how(i), c["time_s"])
-        c["plain_s"] += _clock(dev) - t0
-        c["plain_tokens"] += len(base)
-        if opts.temperature == 0 and out != base:
-            c["divergences"].append(divergence(ref(), i, p, out, base, fatal=dtype == torch.float32))
+        base = out
+        if opts.check_lossless:
+            t0 = _clock(dev)
+            base = plain_decode(target, p, how(i), c["time_s"])
+            c["plain_s"] += _clock(dev) - t0
+            c["plain_tokens"] += len(base)
+            if opts.temperature == 0 and out != base:
+                c["divergences"].append(divergence(ref(), i, p, out, base, fatal=dtype == torch.float32))
+        for name, kw in extra.items():
+            v = c["variants"][name]
+            t0 = _clock(dev)
+            o, lengths, committed, confs = spec_decode(target, drafter, p, K, how(i, **kw))
+            v["spec_s"] += _clock(dev) - t0
+            v["new_tokens"] += len(o)
+            v["per_prompt"].append(prompt_record(p, o, lengths, committed))
+            if "adaptive" in kw:  # the tokens each cycle's verify forward took (anchor + drafts)
+                v["per_prompt"][-1]["verified"] = [verify_length(x, kw["adaptive"]) + 1 for x in confs]
+            if opts.temperature == 0 and o != base:  # greedy: any verify length is lossless too
+                v["divergences"].append(divergence(ref(), i, p, o, base, fatal=dtype == torch.float32))
     c["config"] = dict(block_size=K, drafter_block_size=dc and dc.block_size,
                        max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
                        seed=opts.seed, dtype=str(dtype).removeprefix("torch."), device=str(dev),
+                       verify=opts.verify[0] if opts.temperature > 0 else "greedy", adaptive=opts.adaptive,
                        eos=sorted(eos), target_layer_ids=dc and dc.target_layer_ids,
                        mask_token_id=dc and dc.mask_token_id)
     greedy_checked = opts.check_lossless and opts.temperature == 0
@@ -494,6 +618,12 @@ def _concat_turns(results, order):
     for k in ("new_tokens", "spec_s", "plain_tokens", "plain_s"):
         part[k] = sum(r[k] for r in results)
     part["time_s"] = {k: sum(r["time_s"][k] for r in results) for k in TIME_KEYS}
+    part["variants"] = {  # each variant's prompts in the same order
+        name: dict(v, per_prompt=[dict(results[t]["variants"][name]["per_prompt"][j], turn=t) for t, j in order],
+                   divergences=[dict(d, prompt=where[t, d["prompt"]]) for t, r in enumerate(results)
+                                for d in r["variants"][name]["divergences"]],
+                   **{k: sum(r["variants"][name][k] for r in results) for k in ("new_tokens", "spec_s")})
+        for name, v in results[0].get("variants", {}).items()}
     res = merge([part])
     res["config"]["workers"] = results[0]["config"]["workers"]
     if "wall_s" in results[0]:  # evaluate_parallel's figures: its decoding phases add up
@@ -530,6 +660,10 @@ def _args(argv):
         '\'{"enable_thinking": false}\' as z-lab renders Qwen3 prompts')
     arg("--max_new_tokens", type=int, default=256, help="default 256 (--demo: the demo's)")
     arg("--temperature", type=float, default=0.0)
+    arg("--verify", default="match,ratio", help="at --temperature > 0, the verification rules, each its own "
+        f"decode of every prompt, the first giving the main figures: {', '.join(RULES)} (eval.py RULES)")
+    arg("--adaptive", type=float, metavar="THRESH", help="also decode verifying only the leading drafts whose "
+        "predicted prefix acceptance (the confidence head's) is >= THRESH; tau and target tokens saved")
     arg("--block_size", type=int, help="default: the drafter's")
     arg("--limit", type=int, help="first N prompts (--demo: the demo's)")
     arg("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -541,7 +675,8 @@ def _args(argv):
     arg("--out", help="default: out/eval; with --watch: RUN/eval; with --demo: RUN")
     arg("--compare", nargs="+", metavar="EVAL_JSON", help="BASE NEW [NEW ...]: eval.json files of the same "
         "prompts: each NEW's paired difference from BASE per set and of the macro mean, with intervals; "
-        "several NEW: also one table of all")
+        "several NEW: also one table of all; A1.json,A2.json: one arm trained under several seeds (the "
+        "seeds' spread in the interval)")
     arg("--workers", type=int, default=1, help="processes sharing the device, worker k taking prompts k, k+N, ...")
     a = p.parse_args(argv)
     if run := a.watch or a.demo:  # new defaults, explicit flags still winning: the run's target and training data
@@ -562,6 +697,9 @@ def _args(argv):
                          (a.workers < 1, "--workers must be >= 1"),
                          (bool(a.bench and a.watch), "--bench goes with --drafter or --demo"),
                          (not isinstance(a.chat_kwargs, dict), "--chat_kwargs: a JSON object"),
+                         (not set(a.verify.split(",")) <= set(RULES),
+                          f"--verify {a.verify}: rules are {', '.join(RULES)}"),
+                         (a.adaptive is not None and not 0 < a.adaptive <= 1, "--adaptive: in (0, 1]"),
                          ((a.block_size or 1) != 1 and not (a.drafter or run),
                           "--block_size > 1 needs --drafter")):
         if bad:
@@ -619,7 +757,8 @@ def evaluate_cli(a):
     keys = data.training_prompt_keys(a.train_data) if a.train_data else None
     dtype, why = choose_dtype(a.dtype, a.device)
     print(f"dtype: {str(dtype).removeprefix('torch.')} ({why})", flush=True)
-    opts = EvalOptions(a.max_new_tokens, a.temperature, a.block_size, a.check_lossless, seed=a.seed)
+    opts = EvalOptions(a.max_new_tokens, a.temperature, a.block_size, a.check_lossless, seed=a.seed,
+                       verify=tuple(a.verify.split(",")), adaptive=a.adaptive)
     models = Models(a.target, None, a.device, dtype)
     # one target for every checkpoint
     target = functools.cache(lambda: load_for_generation(a.target, a.device, dtype))

@@ -4,6 +4,7 @@ calibration, bootstrap intervals, the macro mean over sets, paired comparison of
 Nothing here decodes or loads a model."""
 import json
 import os
+import statistics
 
 import torch
 
@@ -59,7 +60,35 @@ def merge(parts):
         pos_accept=pos_accept, confidence=calibration(per_prompt, pos_accept, len(lengths)),
         spec_tok_s=spec_tps, plain_tok_s=plain_tps, speedup=spec_tps / plain_tps if plain_tps else None, **c,
         lossless=(not divergences) if parts[0]["lossless"] is not None else None, divergences=divergences,
+        variants=merge_variants(parts, K, len(lengths), plain_tps),
         config=dict(parts[0]["config"], prompts=total, workers=n), per_prompt=per_prompt)
+
+
+def merge_variants(parts, K, fixed_cycles, plain_tps):
+    """Each variant's counts (eval.variants: another verification rule, or an adaptive verify
+    length) of N workers -> its figures beside the main ones: tau with its interval, cycles,
+    per-offset acceptance, speed; with an adaptive length, the target tokens its verify forwards
+    took against the fixed length's (fixed_cycles of the main decode x K)."""
+    out = {}
+    for name in parts[0].get("variants", {}):
+        vs = [r["variants"][name] for r in parts]
+        n, total = len(vs), sum(len(v["per_prompt"]) for v in vs)
+        per_prompt = [vs[i % n]["per_prompt"][i // n] for i in range(total)]
+        lengths = [x for r in per_prompt for x in r["lengths"]]
+        new_tokens, spec_s = (sum(v[k] for v in vs) for k in ("new_tokens", "spec_s"))
+        f = dict(tau_figures(per_prompt), rule=vs[0]["rule"], adaptive=vs[0].get("adaptive"),
+                 cycles=len(lengths), new_tokens=new_tokens, spec_s=spec_s,
+                 pos_accept=[sum(x > j for x in lengths) / max(len(lengths), 1) for j in range(1, K)],
+                 spec_tok_s=new_tokens / spec_s if spec_s else None,
+                 divergences=sorted((d for v in vs for d in v["divergences"]), key=lambda d: d["prompt"]))
+        f["speedup"] = f["spec_tok_s"] / plain_tps if plain_tps and f["spec_tok_s"] else None
+        if f["adaptive"] is not None:
+            verified = sum(x for r in per_prompt for x in r["verified"])
+            f.update(verified_per_cycle=verified / max(len(lengths), 1), target_tokens_verified=verified,
+                     fixed_target_tokens_verified=fixed_cycles * K,
+                     target_tokens_saved=fixed_cycles * K - verified)
+        out[name] = dict(f, per_prompt=per_prompt)
+    return out
 
 
 def tau_figures(per_prompt, suffix=""):
@@ -144,7 +173,64 @@ def summary(res):
         s += (f"\n  WARNING: {res['seen_in_training']} of {c['prompts']} prompts are, as text, training prompts; "
               + (f"on the other {c['prompts'] - res['seen_in_training']}: tau={res['tau_unseen']:.3f} "
                  f"(pooled {res['tau_pooled_unseen']:.3f})" if "tau_unseen" in res else "no unseen prompt"))
-    return s
+    s += "".join(f"\n  {line}" for line in variant_lines(res, c.get("verify")))
+    return s + "".join(f"\n  {line}" for line in verdict(res))
+
+
+RULE_WORDS = {
+    "greedy": "greedy",
+    "match": "token matching (the authors' loop: sampled drafts, an independent target sample compared)",
+    "ratio": "ratio test as vLLM and SGLang verify (greedy drafts, q one-hot)",
+    "ratio_sampled": "ratio test with sampled drafts (q the drafter's distribution)"}
+
+
+def variant_lines(res, main_rule=None):
+    """One line per other decode of the same prompts (eval.variants): its verification rule's tau,
+    or the adaptive verify length's tau and the target tokens it saved."""
+    rules = [v for v in (res.get("variants") or {}).values() if v.get("adaptive") is None]
+    lines = [f"verified by {RULE_WORDS[main_rule]}: tau above"] if rules and main_rule else []
+    for name, v in (res.get("variants") or {}).items():
+        lo, hi = v["tau_ci95"]
+        speed = f", speedup {v['speedup']:.2f}x" if v.get("speedup") is not None else ""
+        if v.get("adaptive") is None:
+            lines.append(f"verified by {RULE_WORDS[v['rule']]}: tau={v['tau']:.3f} [95% CI {lo:.3f}-{hi:.3f}]{speed}")
+            continue
+        K = res["config"]["block_size"]
+        lines.append(
+            f"adaptive verify length (confidence head's prefix acceptance >= {v['adaptive']}): tau={v['tau']:.3f} "
+            f"[95% CI {lo:.3f}-{hi:.3f}] against {res['tau']:.3f} at the fixed length {K}; "
+            f"{v['verified_per_cycle']:.2f} tokens verified per cycle against {K}; target tokens verified "
+            f"{v['target_tokens_verified']} against {v['fixed_target_tokens_verified']} "
+            f"(saved {v['target_tokens_saved']}, {v['target_tokens_saved'] / max(v['fixed_target_tokens_verified'], 1):.0%})"
+            f"{speed}")
+    return lines
+
+
+def verdict(res):
+    """What `lossless` and `speedup` mean for this run, in words a user can act on."""
+    c, lines = res["config"], []
+    K, dtype = c["block_size"], c["dtype"]
+    if res["lossless"] is False:
+        first = {}  # prompt -> its first diverging new token
+        for d in res["divergences"]:
+            first[d["prompt"]] = min(d["position"], first.get(d["prompt"], d["position"]))
+        lines.append(
+            f"lossless False: {len(first)} of {c['prompts']} prompts diverged from plain greedy decoding, after a "
+            f"median of {statistics.median(first.values()):g} identical new tokens. In {dtype} a {K}-token verify "
+            "forward rounds differently from one-token steps, so a near-tie of the target's top two can flip; "
+            "in float32 the output is checked equal and a divergence is an error.")
+    elif res["lossless"] is None and c.get("temperature", 0) > 0:
+        lines.append("lossless: not checked token by token at temperature > 0; each rule keeps the target's "
+                     "sampling distribution (tests/test_eval.py: the distribution test)")
+    if res.get("speedup") is not None and res["speedup"] < 1:
+        t, cycles = res["time_s"], max(res["cycles"], 1)
+        d, v, o = (1e3 * t[k] / cycles for k in ("draft", "verify", "other"))
+        plain = 1e3 * t["plain_step"] / max(res["plain_tokens"] - len(res["per_prompt"]), 1)
+        lines.append(
+            f"speedup {res['speedup']:.2f}x: the drafter is slower than plain decoding here. A verify cycle takes "
+            f"{d + v + o:.2f} ms (draft {d:.2f}, verify {v:.2f}, other {o:.2f}) for {res['tau_pooled']:.2f} tokens, "
+            f"plain decoding {plain:.2f} ms a token: at these costs it pays from tau {(d + v + o) / plain:.2f} on.")
+    return lines
 
 
 def write_results(res, out_dir):
@@ -187,21 +273,31 @@ def macro_figures(results, resamples=2000):
     figures = ("tau", "tau_pooled", "tau_committed", "tau_sglang", "tau_vllm", "speedup")
     mean = {k: None if any(r[k] is None for r in results.values())
             else sum(r[k] for r in results.values()) / len(results) for k in figures}
-    return dict(mean, sets=len(results), tau_ci95=ci95(boot), resamples=resamples)
+    variants = {}  # every set's other verification rules / adaptive length, the same way
+    for name in set.intersection(*(set(r.get("variants") or {}) for r in results.values())):
+        vs = [r["variants"][name] for r in results.values()]
+        vboot = torch.stack([bootstrap_means([p["tau"] for p in v["per_prompt"]], gen, resamples)
+                             for v in vs]).mean(0)
+        variants[name] = dict(tau=sum(v["tau"] for v in vs) / len(vs), tau_ci95=ci95(vboot))
+    return dict(mean, sets=len(results), tau_ci95=ci95(boot), resamples=resamples,
+                variants=dict(sorted(variants.items())))
 
 
 def compare(base_path, *new_paths, resamples=5000):
-    """eval.json files of the same prompts (eval.py --compare BASE NEW [NEW ...]) -> for each NEW
-    against BASE (compare_two); one NEW: its result, several: {path: result}, and a race table
-    (one row per run: each set's tau, the macro mean, its gain over BASE with the interval)."""
+    """eval.json files of the same prompts (eval.py --compare BASE NEW [NEW ...]; an arm trained
+    under several seeds: its files joined by commas) -> for each NEW against BASE (compare_two);
+    one NEW: its result, several: {NEW: result}, and a race table (one row per arm: each set's
+    tau, the macro mean, its gain over BASE with the interval)."""
     outs = {p: compare_two(base_path, p, resamples) for p in new_paths}
     if len(new_paths) == 1:
         return outs[new_paths[0]]
     sets = [k for k in outs[new_paths[0]] if k != "macro mean"]
-    def name(path):  # a run's eval.json: its folder; another file: its own name
-        path = os.path.abspath(path)
+
+    def name(spec):  # a run's eval.json: its folder; another file: its own name; seeds: +N
+        path = os.path.abspath(spec.split(",")[0])
         stem = os.path.splitext(os.path.basename(path))[0]
-        return os.path.basename(os.path.dirname(path)) if stem == "eval" else stem
+        first = os.path.basename(os.path.dirname(path)) if stem == "eval" else stem
+        return first + (f" +{spec.count(',')}" if "," in spec else "")
     print(f"\n{'run':<16}" + "".join(f"{k[:12]:>13}" for k in sets) + f"{'macro':>9}  gain over {name(base_path)}")
     first = outs[new_paths[0]]
     print(f"{name(base_path):<16}" + "".join(f"{first[k]['base']:>13.3f}" for k in sets)
@@ -214,32 +310,59 @@ def compare(base_path, *new_paths, resamples=5000):
     return outs
 
 
-def compare_two(base_path, new_path, resamples=5000):
-    """Two eval.json of the same prompts -> per set and for the macro mean: tau of each, the paired
-    difference NEW - BASE and the relative gain, each with a 95% interval from resampling the
-    prompts (the same draw for both runs; every set on its own for the macro mean; seeded), and
-    the prompts each run is ahead on."""
-    print(f"{new_path} against {base_path}:")
+def read_arm(spec):
+    """An arm of --compare: "A.json", or "A1.json,A2.json" (one eval.json per training seed) ->
+    [(path, {set name: results}), ...], the sets alike in every file."""
     runs = []
-    for path in (base_path, new_path):
+    for path in spec.split(","):
         with open(path) as f:
             res = json.load(f)
-        runs.append(res["sets"] if "sets" in res else {"prompts": res})
-    (a, b), gen = runs, torch.Generator().manual_seed(0)
+        runs.append((path, res["sets"] if "sets" in res else {"prompts": res}))
+        if runs[-1][1].keys() != runs[0][1].keys():
+            raise SystemExit(f"--compare: {runs[0][0]} has sets {sorted(runs[0][1])}, {path} {sorted(runs[-1][1])}")
+    return runs
+
+
+def seed_prompt_means(t_SP, seeds_RS, prompts_RP):
+    """Per resampling round, the mean over the round's seeds (rows of t) of the mean over its
+    prompts; seeds_RS None: the one seed, as a plain prompt bootstrap."""
+    if seeds_RS is None:
+        return t_SP[0][prompts_RP].mean(1)
+    x_RSP = t_SP[seeds_RS]
+    return x_RSP.gather(2, prompts_RP[:, None, :].expand(-1, x_RSP.shape[1], -1)).mean((1, 2))
+
+
+def compare_two(base_spec, new_spec, resamples=5000):
+    """Two arms of the same prompts (read_arm: one eval.json per training seed) -> per set and for
+    the macro mean: tau of each (the mean over seeds and prompts), the paired difference NEW - BASE
+    and the relative gain, each with a 95% interval from a hierarchical bootstrap: each round draws
+    each arm's seeds with replacement (once for every set: a seed is one training) and then the
+    prompts (the same draw for both arms: paired by prompt hash; every set on its own for the
+    macro mean; seeded), so the spread between trainings of one recipe is in the interval; and
+    the prompts each arm is ahead on (its seeds' mean)."""
+    print(f"{new_spec} against {base_spec}:")
+    arms, gen = (read_arm(base_spec), read_arm(new_spec)), torch.Generator().manual_seed(0)
+    (pa, a), (pb, b) = arms[0][0], arms[1][0]
     if a.keys() != b.keys():
-        raise SystemExit(f"--compare: {base_path} has sets {sorted(a)}, {new_path} {sorted(b)}")
+        raise SystemExit(f"--compare: {pa} has sets {sorted(a)}, {pb} {sorted(b)}")
+    seeds = [torch.randint(len(arm), (resamples, len(arm)), generator=gen) if len(arm) > 1 else None
+             for arm in arms]
     out, draws = {}, {}
     for name in a:
-        pa, pb = a[name]["per_prompt"], b[name]["per_prompt"]
-        ka, kb = ([r.get("prompt_sha", r["prompt_tokens"]) for r in p] for p in (pa, pb))
-        if ka != kb:
-            raise SystemExit(f"--compare: set {name!r}: not the same prompts in the same order "
-                             f"({len(pa)} in {base_path}, {len(pb)} in {new_path})")
-        ta, tb = (torch.tensor([r["tau"] for r in p], dtype=torch.float64) for p in (pa, pb))
-        idx = torch.randint(len(ta), (resamples, len(ta)), generator=gen)
-        draws[name] = ta[idx].mean(1), tb[idx].mean(1)
-        out[name] = _paired(ta.mean(), tb.mean(), *draws[name], prompts=len(ta),
-                            ahead=int((tb > ta).sum()), behind=int((tb < ta).sum()))
+        keys = [r.get("prompt_sha", r["prompt_tokens"]) for r in a[name]["per_prompt"]]
+        for path, run in arms[0] + arms[1]:
+            pp = run[name]["per_prompt"]
+            if [r.get("prompt_sha", r["prompt_tokens"]) for r in pp] != keys:
+                raise SystemExit(f"--compare: set {name!r}: not the same prompts in the same order "
+                                 f"({len(keys)} in {pa}, {len(pp)} in {path})")
+        ta, tb = (torch.tensor([[r["tau"] for r in run[name]["per_prompt"]] for _, run in arm],
+                               dtype=torch.float64) for arm in arms)  # [seeds, prompts]
+        idx = torch.randint(len(keys), (resamples, len(keys)), generator=gen)
+        draws[name] = seed_prompt_means(ta, seeds[0], idx), seed_prompt_means(tb, seeds[1], idx)
+        ma, mb = ta.mean(0), tb.mean(0)
+        out[name] = _paired(ma.mean(), mb.mean(), *draws[name], prompts=len(keys),
+                            ahead=int((mb > ma).sum()), behind=int((mb < ma).sum()),
+                            **({"seeds": [len(arms[0]), len(arms[1])]} if seeds != [None, None] else {}))
     if len(a) > 1:
         ma, mb = (torch.stack([d[i] for d in draws.values()]).mean(0) for i in (0, 1))
         out["macro mean"] = _paired(sum(o["base"] for o in out.values()) / len(a),
@@ -249,7 +372,8 @@ def compare_two(base_path, new_path, resamples=5000):
               f"[{o['diff_ci95'][0]:+.3f}, {o['diff_ci95'][1]:+.3f}]  {o['gain']:+.1%} "
               f"[{o['gain_ci95'][0]:+.1%}, {o['gain_ci95'][1]:+.1%}]"
               + (f"  ahead on {o['ahead']}, behind on {o['behind']} of {o['prompts']}"
-                 if "prompts" in o else ""))
+                 if "prompts" in o else "")
+              + (f"  (seeds {o['seeds'][0]} vs {o['seeds'][1]})" if "seeds" in o else ""))
     return out
 
 
@@ -270,7 +394,16 @@ def sets_summary(res):
     head = (f"{'set':<14}{'prompts':>8}{'tau':>8}  {'95% CI':<14}{'SGLang':>8}{'vLLM':>8}"
             f"{'committed':>10}{'speedup':>9}  lossless")
     lines = [row(n, r["config"]["prompts"], r, r["lossless"]) for n, r in res["sets"].items()]
-    return "\n".join([head, *lines, row("macro mean", "", res["macro"])])
+    lines.append(row("macro mean", "", res["macro"]))
+    for name, v in (res["macro"].get("variants") or {}).items():  # other rules / adaptive length
+        first = next(iter(res["sets"].values()))["variants"][name]
+        what = (RULE_WORDS[first["rule"]] if first.get("adaptive") is None
+                else f"adaptive verify length (>= {first['adaptive']})")
+        lines.append(f"{what}: tau " + ", ".join(
+            f"{n} {r['variants'][name]['tau']:.3f}" for n, r in res["sets"].items())
+            + f", macro {v['tau']:.3f} [95% CI {v['tau_ci95'][0]:.3f}-{v['tau_ci95'][1]:.3f}]")
+    lines += [f"{n}: {line}" for n, r in res["sets"].items() for line in verdict(r)]
+    return "\n".join([head, *lines])
 
 
 def write_sets(res, out_dir):
