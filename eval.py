@@ -131,6 +131,12 @@ def verify_length(conf, threshold):
     return n
 
 
+def accepts(u_J, p_J, q_J):
+    """Which drafts pass the ratio test: u <= p(x) / q(x) (vLLM: target / draft >= uniform; a draft
+    of q(x) = 0 is rejected). Tests plant wrong rules here."""
+    return (q_J > 0) & (u_J <= p_J.double() / q_J.double())
+
+
 def residual(p_V, x, q_V):
     """Where a rejected draft x sends the token: norm(max(0, p - q)), q one-hot at x without a draft
     distribution (None). Tests plant wrong rules here."""
@@ -151,7 +157,7 @@ def ratio_test(drafts, q_JV, logits_KV, how):
     px = p_KV[torch.arange(J, device=p_KV.device), x]
     qx = q_JV[torch.arange(J, device=p_KV.device), x] if q_JV is not None else torch.ones_like(px)
     u = torch.rand(J, generator=how.generator, device=p_KV.device, dtype=torch.float64)
-    ok = ((qx > 0) & (u <= px.double() / qx.double())).tolist()  # vLLM: target/draft >= uniform
+    ok = accepts(u, px, qx).tolist()
     a = next((j for j in range(J) if not ok[j]), J)
     last = p_KV[a] if a == J else residual(p_KV[a], drafts[a], None if q_JV is None else q_JV[a])
     return a, int(torch.multinomial(last, 1, generator=how.generator))
