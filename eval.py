@@ -48,7 +48,7 @@ class Decoding:
     temperature: float = 0.0
     generator: torch.Generator | None = None
     rule: str = "match"  # how a block is verified at temperature > 0: one of RULES
-    adaptive: float | None = None  # verify only the drafts the confidence head clears (verify_length)
+    adaptive: float | None = None  # verify the drafts the confidence head clears (verify_length)
 
 
 # Verification at temperature > 0 (greedy, every rule is "accept while the draft is the argmax").
@@ -58,8 +58,8 @@ class Decoding:
 #   (rejection_random_sample_kernel, sample_recovered_tokens_kernel with NO_DRAFT_PROBS) and
 #   sgl-project/sglang python/sglang/srt/speculative/dflash_utils.py at 00731f0
 #   (compute_dflash_sampling_correct_drafts_and_bonus: draft_probs all zero, into
-#   sgl-kernel/csrc/speculative/speculative_sampling.cuh at b227f63, TreeSpeculativeSamplingTargetOnly
-#   with thresholds 1) both verify a DFlash block without a draft distribution: the drafts are the
+#   sgl-kernel/csrc/speculative/speculative_sampling.cuh at b227f63,
+#   TreeSpeculativeSamplingTargetOnly with thresholds 1) both verify a DFlash block without a draft distribution: the drafts are the
 #   drafter's argmax (vllm/v1/spec_decode/dflash.py at da4dbe3: logits.argmax) and q is one-hot.
 #   Draft x is accepted when u <= p(x) / q(x) = p(x); on rejection the token is drawn from
 #   norm(max(0, p - q)) = p without x; after K-1 acceptances the bonus is drawn from p.
@@ -95,12 +95,18 @@ def crop(cache, length):
         cache.crop(-remove)
 
 
-def draft(drafter, target, block_1K, new_hidden_1TC, cache, start, how, probs=None):
-    """One drafter call -> (drafts for block offsets 1..K-1 [1, K-1], cache of 0..start-1, the
-    confidence head's probabilities for them [K-1], None without one); tests replace it. Drafts
-    are the argmax under rule "ratio" (the engines draft greedily), else picked as `how` picks,
-    each with the Markov / Domino bias of the token drafted before it; probs: a list that gets
-    the drafter's distributions q [K-1, V] at the temperature (rule "ratio_sampled")."""
+class Drafts(tuple):
+    """draft()'s (drafts, cache, confidences); q: the drafter's distributions at the temperature
+    the drafts were sampled from [K-1, V] (rule "ratio_sampled"), else None."""
+    q = None
+
+
+def draft(drafter, target, block_1K, new_hidden_1TC, cache, start, how):
+    """One drafter call -> Drafts (drafts for block offsets 1..K-1 [1, K-1], cache of 0..start-1,
+    the confidence head's probabilities for them [K-1], None without one); tests replace it with
+    one returning the plain triple. Drafts are the argmax under rule "ratio" (the engines draft
+    greedily), else picked as `how` picks, each with the Markov / Domino bias of the token
+    drafted before it."""
     x_1KD = F.embedding(block_1K, target.get_input_embeddings().weight)  # raw rows, exactly as dflash_loss embeds
     h_1KD, cache = drafter.forward_cached(x_1KD, new_hidden_1TC, cache, start)
     logits = target.get_output_embeddings()(h_1KD[:, 1:])  # offset 0 is the clean anchor: its output is unused
@@ -112,10 +118,11 @@ def draft(drafter, target, block_1K, new_hidden_1TC, cache, start, how, probs=No
         return pick(x, draft_how)
     toks, conf = drafter.draft_tokens(logits, h_1KD[:, 1:], block_1K[:, 0], choose,
                                       target.get_input_embeddings().weight)
-    if probs is not None:
-        q = torch.cat([x.reshape(-1, x.shape[-1]) for x in seen]).float() / how.temperature
-        probs.append(torch.softmax(q, -1))
-    return toks, cache, None if conf is None else conf[0]
+    out = Drafts((toks, cache, None if conf is None else conf[0]))
+    if how.rule == "ratio_sampled" and how.temperature > 0:
+        q_KV = torch.cat([x.reshape(-1, x.shape[-1]) for x in seen]).float()
+        out.q = torch.softmax(q_KV / how.temperature, -1)
+    return out
 
 
 def verify_length(conf, threshold):
@@ -209,22 +216,23 @@ def spec_decode(target, drafter, prompt_ids, block_size, how, times=None):
         new_hidden = features(out.hidden_states, drafter.cfg.target_layer_ids)
     t = _clock(dev, times, "prefill", t)
     lengths, confs = [], []  # per verify cycle: drafts accepted + the bonus; the confidence head's
-    sampled_q = how.rule == "ratio_sampled" and how.temperature > 0
     while len(gen) <= max_new and not (lengths and eos.intersection(gen)):
         start = len(prompt_ids) + len(gen) - 1  # position of the anchor, gen[-1]; the target cache holds 0..start-1
         block = torch.full((1, K), drafter.cfg.mask_token_id if K > 1 else 0, dtype=torch.long, device=dev)
         block[0, 0] = gen[-1]
-        n, qs = K - 1, [] if sampled_q else None  # drafts verified; their q (sampled drafts)
+        n, q = K - 1, None  # drafts verified; the distributions they were sampled from
         if K > 1:
-            block[:, 1:], cache_d, conf = draft(drafter, target, block, new_hidden, cache_d, start,
-                                                how, **({} if qs is None else dict(probs=qs)))
+            drafts = draft(drafter, target, block, new_hidden, cache_d, start, how)
+            (block[:, 1:], cache_d, conf), q = drafts, getattr(drafts, "q", None)
             confs.append(None if conf is None else conf.tolist())
             if how.adaptive is not None:
                 n = verify_length(confs[-1], how.adaptive)
             t = _clock(dev, times, "draft", t)
-        out = target(input_ids=block[:, :n + 1], position_ids=torch.arange(start, start + n + 1, device=dev)[None],
-                     **{kv: cache_t}, use_cache=True, output_hidden_states=K > 1)
-        blk, a, nxt = verify_block(block[0, :n + 1], qs[0][:n] if qs else None, out.logits[0], how)
+        pos = torch.arange(start, start + n + 1, device=dev)[None]
+        out = target(input_ids=block[:, :n + 1], position_ids=pos, **{kv: cache_t}, use_cache=True,
+                     output_hidden_states=K > 1)
+        q = None if q is None else q[:n]
+        blk, a, nxt = verify_block(block[0, :n + 1], q, out.logits[0], how)
         t = _clock(dev, times, "verify", t)
         gen += blk[1:a + 1] + [nxt]  # accepted drafts + the target's token (the bonus if all were)
         lengths.append(a + 1)
@@ -296,8 +304,24 @@ class EvalOptions:
     adaptive: float | None = None  # also decode verifying only the drafts the confidence head clears
 
 
-def variants(opts, K):
-    """The decodes beside the main one: name -> the fields they change in Decoding."""
+def eos_set(target, tokenizer, eos_ids=None):
+    """The token ids that end an output: eos_ids, or the tokenizer's EOS plus the generation
+    config's (Qwen3 instruct lists two)."""
+    if eos_ids is None:
+        g = target.generation_config.eos_token_id
+        eos_ids = [*(g if isinstance(g, (list, tuple)) else [g]),
+                   getattr(tokenizer, "eos_token_id", None)]
+    return frozenset(eos_ids) - {None}
+
+
+def variants(opts, K, dc):
+    """The decodes beside the main one (dc: the drafter's config) -> name -> the fields they
+    change in Decoding."""
+    if opts.adaptive is not None and not (dc and dc.confidence_head):
+        raise ValueError("--adaptive needs a drafter with a confidence head "
+                         "(config.json: confidence_head)")
+    if unknown := set(opts.verify) - set(RULES):
+        raise ValueError(f"--verify: unknown rule(s) {sorted(unknown)}; known: {', '.join(RULES)}")
     out = {}
     if opts.temperature > 0 and K > 1:
         out.update({rule: dict(rule=rule) for rule in opts.verify[1:]})
@@ -308,7 +332,8 @@ def variants(opts, K):
 
 def prompt_record(p, out, lengths, committed):
     """One prompt's decode as eval.json holds it (per_prompt)."""
-    return dict(prompt_tokens=len(p), prompt_sha=prompt_sha(p), new_tokens=len(out), cycles=len(lengths),
+    return dict(prompt_tokens=len(p), prompt_sha=prompt_sha(p), new_tokens=len(out),
+                cycles=len(lengths),
                 tau=sum(lengths) / max(len(lengths), 1), lengths=lengths, committed=committed,
                 tau_committed=sum(committed) / max(sum(n > 0 for n in committed), 1))
 
@@ -319,23 +344,14 @@ def evaluate(target, tokenizer, drafter, prompts, opts=EvalOptions(), indices=No
     names), so a worker decodes prompts k::N as one process."""
     dc = drafter.cfg if drafter is not None else None
     K = opts.block_size or (dc.block_size if dc else 1)
-    eos_ids = opts.eos_ids
-    if eos_ids is None:  # the tokenizer's EOS plus the generation config's (Qwen3 instruct lists two)
-        g = target.generation_config.eos_token_id
-        eos_ids = [*(g if isinstance(g, (list, tuple)) else [g]),
-                   getattr(tokenizer, "eos_token_id", None)]
-    eos = frozenset(eos_ids) - {None}
+    eos = eos_set(target, tokenizer, opts.eos_ids)
     prompts = [p if p and isinstance(p[0], int) else render(tokenizer, p) for p in prompts]
     dev, dtype = target.device, next(target.parameters()).dtype
 
     def how(i, max_new=opts.max_new_tokens, **kw):  # prompt i's decoding, its own seeded generator
         gen = torch.Generator(device=dev).manual_seed(opts.seed + i)
-        return Decoding(max_new, eos, opts.temperature, gen, **dict(dict(rule=opts.verify[0]), **kw))
-    extra = variants(opts, K)
-    if opts.adaptive is not None and not (dc and dc.confidence_head):
-        raise ValueError("--adaptive needs a drafter with a confidence head (config.json: confidence_head)")
-    if unknown := set(opts.verify) - set(RULES):
-        raise ValueError(f"--verify: unknown rule(s) {sorted(unknown)}; known: {', '.join(RULES)}")
+        return Decoding(max_new, eos, opts.temperature, gen, **{"rule": opts.verify[0], **kw})
+    extra = variants(opts, K, dc)
     if opts.warmup:  # first calls pay allocator/kernel set-up; keep them off the clock
         spec_decode(target, drafter, prompts[0], K, how(0, min(opts.max_new_tokens, 2 * K)))
         plain_decode(target, prompts[0], how(0, min(opts.max_new_tokens, 2 * K)))
@@ -369,13 +385,15 @@ def evaluate(target, tokenizer, drafter, prompts, opts=EvalOptions(), indices=No
             v["new_tokens"] += len(o)
             v["per_prompt"].append(prompt_record(p, o, lengths, committed))
             if "adaptive" in kw:  # the tokens each cycle's verify forward took (anchor + drafts)
-                v["per_prompt"][-1]["verified"] = [verify_length(x, kw["adaptive"]) + 1 for x in confs]
+                v["per_prompt"][-1]["verified"] = [verify_length(x, kw["adaptive"]) + 1
+                                                   for x in confs]
             if opts.temperature == 0 and o != base:  # greedy: any verify length is lossless too
-                v["divergences"].append(divergence(ref(), i, p, o, base, fatal=dtype == torch.float32))
+                v["divergences"].append(divergence(ref(), i, p, o, base, dtype == torch.float32))
     c["config"] = dict(block_size=K, drafter_block_size=dc and dc.block_size,
                        max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
                        seed=opts.seed, dtype=str(dtype).removeprefix("torch."), device=str(dev),
-                       verify=opts.verify[0] if opts.temperature > 0 else "greedy", adaptive=opts.adaptive,
+                       verify=opts.verify[0] if opts.temperature > 0 else "greedy",
+                       adaptive=opts.adaptive,
                        eos=sorted(eos), target_layer_ids=dc and dc.target_layer_ids,
                        mask_token_id=dc and dc.mask_token_id)
     greedy_checked = opts.check_lossless and opts.temperature == 0
@@ -624,12 +642,13 @@ def _concat_turns(results, order):
     for k in ("new_tokens", "spec_s", "plain_tokens", "plain_s"):
         part[k] = sum(r[k] for r in results)
     part["time_s"] = {k: sum(r["time_s"][k] for r in results) for k in TIME_KEYS}
-    part["variants"] = {  # each variant's prompts in the same order
-        name: dict(v, per_prompt=[dict(results[t]["variants"][name]["per_prompt"][j], turn=t) for t, j in order],
-                   divergences=[dict(d, prompt=where[t, d["prompt"]]) for t, r in enumerate(results)
-                                for d in r["variants"][name]["divergences"]],
-                   **{k: sum(r["variants"][name][k] for r in results) for k in ("new_tokens", "spec_s")})
-        for name, v in results[0].get("variants", {}).items()}
+    part["variants"] = {}  # each variant's prompts in the same order
+    for name, v in results[0].get("variants", {}).items():
+        vs = [r["variants"][name] for r in results]
+        part["variants"][name] = dict(
+            v, per_prompt=[dict(vs[t]["per_prompt"][j], turn=t) for t, j in order],
+            divergences=[dict(d, prompt=where[t, d["prompt"]]) for t, x in enumerate(vs) for d in x["divergences"]],
+            **{k: sum(x[k] for x in vs) for k in ("new_tokens", "spec_s")})
     res = merge([part])
     res["config"]["workers"] = results[0]["config"]["workers"]
     if "wall_s" in results[0]:  # evaluate_parallel's figures: its decoding phases add up
@@ -644,7 +663,7 @@ def prompt_sha(ids):
     return hashlib.sha256(json.dumps([int(t) for t in ids]).encode()).hexdigest()[:16]
 
 
-def _args(argv):
+def _parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     arg, ckpt = p.add_argument, p.add_mutually_exclusive_group().add_argument
     arg("--target", help="HF folder (or SmolLM2 .gguf) of the target; with --watch/--demo: the run's")
@@ -666,10 +685,11 @@ def _args(argv):
         '\'{"enable_thinking": false}\' as z-lab renders Qwen3 prompts')
     arg("--max_new_tokens", type=int, default=256, help="default 256 (--demo: the demo's)")
     arg("--temperature", type=float, default=0.0)
-    arg("--verify", default="match,ratio", help="at --temperature > 0, the verification rules, each its own "
-        f"decode of every prompt, the first giving the main figures: {', '.join(RULES)} (eval.py RULES)")
-    arg("--adaptive", type=float, metavar="THRESH", help="also decode verifying only the leading drafts whose "
-        "predicted prefix acceptance (the confidence head's) is >= THRESH; tau and target tokens saved")
+    arg("--verify", default="match,ratio", help="at --temperature > 0, the verification rules, "
+        "each its own decode of every prompt, the first giving the main figures: "
+        f"{', '.join(RULES)} (eval.py RULES)")
+    arg("--adaptive", type=float, metavar="THRESH", help="also decode verifying only the leading "
+        "drafts whose predicted prefix acceptance (the confidence head's) is >= THRESH")
     arg("--block_size", type=int, help="default: the drafter's")
     arg("--limit", type=int, help="first N prompts (--demo: the demo's)")
     arg("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -681,9 +701,14 @@ def _args(argv):
     arg("--out", help="default: out/eval; with --watch: RUN/eval; with --demo: RUN")
     arg("--compare", nargs="+", metavar="EVAL_JSON", help="BASE NEW [NEW ...]: eval.json files of the same "
         "prompts: each NEW's paired difference from BASE per set and of the macro mean, with intervals; "
-        "several NEW: also one table of all; A1.json,A2.json: one arm trained under several seeds (the "
-        "seeds' spread in the interval)")
+        "several NEW: also one table of all; A1.json,A2.json: one arm trained under several "
+        "seeds (the seeds' spread in the interval)")
     arg("--workers", type=int, default=1, help="processes sharing the device, worker k taking prompts k, k+N, ...")
+    return p
+
+
+def _args(argv):
+    p = _parser()
     a = p.parse_args(argv)
     if run := a.watch or a.demo:  # new defaults, explicit flags still winning: the run's target and training data
         if not os.path.exists(os.path.join(run, "config.json")):
@@ -705,7 +730,8 @@ def _args(argv):
                          (not isinstance(a.chat_kwargs, dict), "--chat_kwargs: a JSON object"),
                          (not set(a.verify.split(",")) <= set(RULES),
                           f"--verify {a.verify}: rules are {', '.join(RULES)}"),
-                         (a.adaptive is not None and not 0 < a.adaptive <= 1, "--adaptive: in (0, 1]"),
+                         (a.adaptive is not None and not 0 < a.adaptive <= 1,
+                          "--adaptive: in (0, 1]"),
                          ((a.block_size or 1) != 1 and not (a.drafter or run),
                           "--block_size > 1 needs --drafter")):
         if bad:
