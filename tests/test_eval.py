@@ -1184,6 +1184,10 @@ def test_rules_side_by_side_at_temperature(llama):
     assert v["rule"] == "ratio" and len(v["per_prompt"]) == 3 and v["tau_ci95"][0] <= v["tau"] <= v["tau_ci95"][1]
     assert [r["prompt_sha"] for r in v["per_prompt"]] == [r["prompt_sha"] for r in res["per_prompt"]]
     assert "ratio test as vLLM and SGLang verify" in report.summary(res)
+    parts = [ev.evaluate(target, None, drafter, prompts(3)[k::2], ev.EvalOptions(temperature=1.0, **kw),
+                         indices=range(k, 3, 2)) for k in range(2)]  # two workers' shares: the same figures
+    merged = report.merge(parts)["variants"]["ratio"]
+    assert merged["per_prompt"] == v["per_prompt"] and merged["tau_ci95"] == v["tau_ci95"]
     greedy = ev.evaluate(target, None, drafter, prompts(1), ev.EvalOptions(**kw))
     assert greedy["variants"] == {} and greedy["config"]["verify"] == "greedy"
     with pytest.raises(ValueError, match="unknown rule"):
