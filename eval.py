@@ -51,18 +51,21 @@ class Decoding:
     adaptive: float | None = None  # verify the drafts the confidence head clears (verify_length)
 
 
-# Verification at temperature > 0 (greedy, every rule is "accept while the draft is the argmax").
+# Verification at temperature > 0 (greedy: every rule accepts while the draft is the argmax).
 # match: the authors' loop (z-lab/dflash): drafts sampled from the drafter at the temperature,
 #   accepted while equal to an independent sample of the target; lossless, accepts sum_x p(x)q(x).
-# ratio: the engines' rule. vllm-project/vllm vllm/v1/sample/rejection_sampler.py at 7f6fc1c
-#   (rejection_random_sample_kernel, sample_recovered_tokens_kernel with NO_DRAFT_PROBS) and
-#   sgl-project/sglang python/sglang/srt/speculative/dflash_utils.py at 00731f0
-#   (compute_dflash_sampling_correct_drafts_and_bonus: draft_probs all zero, into
-#   sgl-kernel/csrc/speculative/speculative_sampling.cuh at b227f63,
-#   TreeSpeculativeSamplingTargetOnly with thresholds 1) both verify a DFlash block without a draft distribution: the drafts are the
-#   drafter's argmax (vllm/v1/spec_decode/dflash.py at da4dbe3: logits.argmax) and q is one-hot.
-#   Draft x is accepted when u <= p(x) / q(x) = p(x); on rejection the token is drawn from
-#   norm(max(0, p - q)) = p without x; after K-1 acceptances the bonus is drawn from p.
+# ratio: the engines' rule for DFlash. vllm-project/vllm vllm/v1/sample/rejection_sampler.py at
+#   7f6fc1c (rejection_random_sample_kernel and sample_recovered_tokens_kernel, NO_DRAFT_PROBS:
+#   the runner passes draft_probs None) and sgl-project/sglang
+#   python/sglang/srt/speculative/dflash_utils.py at 00731f0
+#   (compute_dflash_sampling_correct_drafts_and_bonus: draft_probs all zero, handed to
+#   TreeSpeculativeSamplingTargetOnly, sgl-kernel/csrc/speculative/speculative_sampling.cuh at
+#   b227f63, thresholds 1) verify without a draft distribution: the drafts are the drafter's
+#   argmax (vllm/v1/spec_decode/dflash.py at da4dbe3: logits.argmax) and q is one-hot. Draft x is
+#   accepted when u <= p(x) / q(x) = p(x); on rejection the token is drawn from
+#   norm(max(0, p - q)) = p without x; after all K-1 the bonus is drawn from p. Accepting while an
+#   independent target sample equals x is the same rule in distribution: what sets match apart
+#   is its sampled drafts.
 # ratio_sampled: the same test with drafts sampled from the drafter's q at the temperature
 #   (Leviathan et al. 2023, arXiv 2211.17192; vLLM's path when a proposer hands it draft_probs):
 #   accepts sum_x min(p(x), q(x)) = 1 - TV(p, q), what an L1 or confidence term trains for.
