@@ -23,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import eval as ev
+import report
 import train
 from attention import (build_masks, compile_count, configure_compile, dflash_block_mask,
                        flex_compiled)
@@ -578,7 +579,7 @@ def bench_decode(args):
                                ("torch default", unwrapped(ev.spec_decode),
                                 unwrapped(ev.plain_decode))):
         for rep in (1, 2):
-            t = dict.fromkeys(ev.TIME_KEYS, 0.0)
+            t = dict.fromkeys(report.TIME_KEYS, 0.0)
             c = len(spec(target, drafter, prompt, 16, ev.Decoding(n), times=t)[1])  # verify cycles
             out = plain(target, prompt, ev.Decoding(n), times=t)
             cycle = ("draft", "verify", "other")

@@ -1,6 +1,7 @@
 """Acceptance length tau (accepted drafts + 1 per verify cycle, counted as the authors' benchmark counts it; the
 committed-token count beside it) under real DFlash speculative decoding, batch 1, and the check that greedy output
-equals plain greedy decoding (README: Evaluate a drafter).
+equals plain greedy decoding (README: Evaluate a drafter). The figures, intervals, comparisons and
+files the decodes give are report.py's.
 
   python eval.py --target DIR --drafter CKPT --data prompts.jsonl [--workers 8 --train_data F ...]
   python eval.py --watch out/RUN --data prompts.jsonl [...]   # every checkpoint of a run, as training writes it
@@ -28,9 +29,9 @@ import data
 from attention import NO_CUDNN
 from checkpoint import list_ckpts
 from model import load_drafter
+from report import (TIME_KEYS, calibration_sums, compare, macro_figures, merge, plot_tau,
+                    sets_summary, summary, tau_figures, write_results, write_sets)
 from target import choose_dtype, convert_gguf, features, load_for_generation, load_tokenizer
-
-TIME_KEYS = ("prefill", "draft", "verify", "other", "plain_prefill", "plain_step")
 
 
 class LosslessError(RuntimeError):
@@ -46,6 +47,29 @@ class Decoding:
     eos: frozenset = frozenset()  # token ids (any set)
     temperature: float = 0.0
     generator: torch.Generator | None = None
+    rule: str = "match"  # how a block is verified at temperature > 0: one of RULES
+    adaptive: float | None = None  # verify the drafts the confidence head clears (verify_length)
+
+
+# Verification at temperature > 0 (greedy: every rule accepts while the draft is the argmax).
+# match: the authors' loop (z-lab/dflash): drafts sampled from the drafter at the temperature,
+#   accepted while equal to an independent sample of the target; lossless, accepts sum_x p(x)q(x).
+# ratio: the engines' rule for DFlash. vllm-project/vllm vllm/v1/sample/rejection_sampler.py at
+#   7f6fc1c (rejection_random_sample_kernel and sample_recovered_tokens_kernel, NO_DRAFT_PROBS:
+#   the runner passes draft_probs None) and sgl-project/sglang
+#   python/sglang/srt/speculative/dflash_utils.py at 00731f0
+#   (compute_dflash_sampling_correct_drafts_and_bonus: draft_probs all zero, handed to
+#   TreeSpeculativeSamplingTargetOnly, sgl-kernel/csrc/speculative/speculative_sampling.cuh at
+#   b227f63, thresholds 1) verify without a draft distribution: the drafts are the drafter's
+#   argmax (vllm/v1/spec_decode/dflash.py at da4dbe3: logits.argmax) and q is one-hot. Draft x is
+#   accepted when u <= p(x) / q(x) = p(x); on rejection the token is drawn from
+#   norm(max(0, p - q)) = p without x; after all K-1 the bonus is drawn from p. Accepting while an
+#   independent target sample equals x is the same rule in distribution: what sets match apart
+#   is its sampled drafts.
+# ratio_sampled: the same test with drafts sampled from the drafter's q at the temperature
+#   (Leviathan et al. 2023, arXiv 2211.17192; vLLM's path when a proposer hands it draft_probs):
+#   accepts sum_x min(p(x), q(x)) = 1 - TV(p, q), what an L1 or confidence term trains for.
+RULES = ("match", "ratio", "ratio_sampled")
 
 
 def pick(logits, how):
@@ -74,15 +98,93 @@ def crop(cache, length):
         cache.crop(-remove)
 
 
+class Drafts(tuple):
+    """draft()'s (drafts, cache, confidences); q: the drafter's distributions at the temperature
+    the drafts were sampled from [K-1, V] (rule "ratio_sampled"), else None."""
+    q = None
+
+
 def draft(drafter, target, block_1K, new_hidden_1TC, cache, start, how):
-    """One drafter call -> (drafts for block offsets 1..K-1 [1, K-1], cache of 0..start-1, the
-    confidence head's probabilities for them [K-1], None without one); tests replace it."""
+    """One drafter call -> Drafts (drafts for block offsets 1..K-1 [1, K-1], cache of 0..start-1,
+    the confidence head's probabilities for them [K-1], None without one); tests replace it with
+    one returning the plain triple. Drafts are the argmax under rule "ratio" (the engines draft
+    greedily), else picked as `how` picks, each with the Markov / Domino bias of the token
+    drafted before it."""
     x_1KD = F.embedding(block_1K, target.get_input_embeddings().weight)  # raw rows, exactly as dflash_loss embeds
     h_1KD, cache = drafter.forward_cached(x_1KD, new_hidden_1TC, cache, start)
     logits = target.get_output_embeddings()(h_1KD[:, 1:])  # offset 0 is the clean anchor: its output is unused
-    toks, conf = drafter.draft_tokens(logits, h_1KD[:, 1:], block_1K[:, 0], lambda x: pick(x, how),
+    draft_how = replace(how, temperature=0.0) if how.rule == "ratio" else how
+    seen = []  # the biased logits each pick saw, offset by offset (or all offsets at once)
+
+    def choose(x):
+        seen.append(x)
+        return pick(x, draft_how)
+    toks, conf = drafter.draft_tokens(logits, h_1KD[:, 1:], block_1K[:, 0], choose,
                                       target.get_input_embeddings().weight)
-    return toks, cache, conf
+    out = Drafts((toks, cache, None if conf is None else conf[0]))
+    if how.rule == "ratio_sampled" and how.temperature > 0:
+        q_KV = torch.cat([x.reshape(-1, x.shape[-1]) for x in seen]).float()
+        out.q = torch.softmax(q_KV / how.temperature, -1)
+    return out
+
+
+def verify_length(conf, threshold):
+    """The drafts to verify under an adaptive length: the leading offsets whose predicted prefix
+    acceptance (the confidence head's probabilities multiplied up to the offset, as the engines
+    plan with it) is at least threshold."""
+    run, n = 1.0, 0
+    for c in conf:
+        run *= c
+        if run < threshold:
+            break
+        n += 1
+    return n
+
+
+def accepts(u_J, p_J, q_J):
+    """Which drafts pass the ratio test: u <= p(x) / q(x) (vLLM: target / draft >= uniform; a draft
+    of q(x) = 0 is rejected). Tests plant wrong rules here."""
+    return (q_J > 0) & (u_J <= p_J.double() / q_J.double())
+
+
+def residual(p_V, x, q_V):
+    """Where a rejected draft x sends the token: norm(max(0, p - q)), q one-hot at x without a draft
+    distribution (None). Tests plant wrong rules here."""
+    if q_V is not None:
+        r = (p_V - q_V).clamp(min=0)
+    else:
+        r = p_V.clone()
+        r[x] = 0.0
+    return r if r.sum() > 0 else p_V  # p == q: never rejected in exact arithmetic
+
+
+def ratio_test(drafts, q_JV, logits_KV, how):
+    """The probability-ratio test (see RULES) of drafts [J] against the target's logits of the
+    J + 1 verified positions -> (drafts accepted a, the token after them)."""
+    p_KV = torch.softmax(logits_KV.float() / how.temperature, dim=-1)
+    J = len(drafts)
+    x = torch.tensor(drafts, device=p_KV.device, dtype=torch.long)
+    px = p_KV[torch.arange(J, device=p_KV.device), x]
+    qx = q_JV[torch.arange(J, device=p_KV.device), x] if q_JV is not None else torch.ones_like(px)
+    u = torch.rand(J, generator=how.generator, device=p_KV.device, dtype=torch.float64)
+    ok = accepts(u, px, qx).tolist()
+    a = next((j for j in range(J) if not ok[j]), J)
+    last = p_KV[a] if a == J else residual(p_KV[a], drafts[a], None if q_JV is None else q_JV[a])
+    return a, int(torch.multinomial(last, 1, generator=how.generator))
+
+
+def verify_block(block_K, q_JV, logits_KV, how):
+    """Block tokens [anchor, drafts ...] [K] and the target's logits at those positions -> (the
+    block as a list, drafts accepted, the next token: the target's at the first rejection, or the
+    bonus after all of them)."""
+    if how.temperature > 0 and how.rule != "match":
+        blk = block_K.tolist()
+        return (blk, *ratio_test(blk[1:], q_JV, logits_KV, how))
+    # greedy, or the authors' loop: an independent target sample compared by token equality;
+    # post[k] = the target's token after block position k
+    blk, post = torch.stack([block_K, pick(logits_KV, how)]).tolist()  # one sync
+    a = next((j for j in range(len(blk) - 1) if blk[j + 1] != post[j]), len(blk) - 1)
+    return blk, a, post[a]
 
 
 def _clock(dev, times=None, key=None, t0=0.0):
@@ -121,19 +223,21 @@ def spec_decode(target, drafter, prompt_ids, block_size, how, times=None):
         start = len(prompt_ids) + len(gen) - 1  # position of the anchor, gen[-1]; the target cache holds 0..start-1
         block = torch.full((1, K), drafter.cfg.mask_token_id if K > 1 else 0, dtype=torch.long, device=dev)
         block[0, 0] = gen[-1]
+        n, q = K - 1, None  # drafts verified; the distributions they were sampled from
         if K > 1:
-            block[:, 1:], cache_d, conf = draft(drafter, target, block, new_hidden, cache_d, start,
-                                                how)
+            drafts = draft(drafter, target, block, new_hidden, cache_d, start, how)
+            (block[:, 1:], cache_d, conf), q = drafts, getattr(drafts, "q", None)
             confs.append(None if conf is None else conf.tolist())
+            if how.adaptive is not None:
+                n = verify_length(confs[-1], how.adaptive)
             t = _clock(dev, times, "draft", t)
-        out = target(input_ids=block, position_ids=torch.arange(start, start + K, device=dev)[None],
-                     **{kv: cache_t}, use_cache=True, output_hidden_states=K > 1)
-        # posterior[k] = the target's token after block position k; at temperature > 0 an independent target
-        # sample compared by token equality, as the authors' loop does, not a probability-ratio test
-        blk, post = torch.stack([block[0], pick(out.logits[0], how)]).tolist()  # one sync
+        pos = torch.arange(start, start + n + 1, device=dev)[None]
+        out = target(input_ids=block[:, :n + 1], position_ids=pos, **{kv: cache_t}, use_cache=True,
+                     output_hidden_states=K > 1)
+        q = None if q is None else q[:n]
+        blk, a, nxt = verify_block(block[0, :n + 1], q, out.logits[0], how)
         t = _clock(dev, times, "verify", t)
-        a = next((j for j in range(K - 1) if blk[j + 1] != post[j]), K - 1)  # drafts accepted
-        gen += blk[1:a + 1] + [post[a]]  # accepted drafts + bonus
+        gen += blk[1:a + 1] + [nxt]  # accepted drafts + the target's token (the bonus if all were)
         lengths.append(a + 1)
         crop(cache_t, start + a + 1)  # block positions 0..a stay (their K/V is exact); the bonus has none yet
         if K > 1:  # new drafter context: target features of block positions 0..a (the bonus has none yet)
@@ -197,6 +301,44 @@ class EvalOptions:
     eos_ids: list | None = None  # default: the tokenizer's EOS and the generation config's
     seed: int = 0  # prompt i (its global index) samples from seed + i
     warmup: bool = True  # a short first decode off the clock: allocator and kernel set-up
+    # at temperature > 0 the verification rules (RULES): the first gives the main figures, each
+    # other one more decode of every prompt, reported beside them under "variants"
+    verify: tuple = ("match", "ratio")
+    adaptive: float | None = None  # also decode verifying only the drafts the confidence head clears
+
+
+def eos_set(target, tokenizer, eos_ids=None):
+    """The token ids that end an output: eos_ids, or the tokenizer's EOS plus the generation
+    config's (Qwen3 instruct lists two)."""
+    if eos_ids is None:
+        g = target.generation_config.eos_token_id
+        eos_ids = [*(g if isinstance(g, (list, tuple)) else [g]),
+                   getattr(tokenizer, "eos_token_id", None)]
+    return frozenset(eos_ids) - {None}
+
+
+def variants(opts, K, dc):
+    """The decodes beside the main one (dc: the drafter's config) -> name -> the fields they
+    change in Decoding."""
+    if opts.adaptive is not None and not (dc and dc.confidence_head):
+        raise ValueError("--adaptive needs a drafter with a confidence head "
+                         "(config.json: confidence_head)")
+    if unknown := set(opts.verify) - set(RULES):
+        raise ValueError(f"--verify: unknown rule(s) {sorted(unknown)}; known: {', '.join(RULES)}")
+    out = {}
+    if opts.temperature > 0 and K > 1:
+        out.update({rule: dict(rule=rule) for rule in opts.verify[1:]})
+    if opts.adaptive is not None and K > 1:
+        out["adaptive"] = dict(rule=opts.verify[0], adaptive=opts.adaptive)
+    return out
+
+
+def prompt_record(p, out, lengths, committed):
+    """One prompt's decode as eval.json holds it (per_prompt)."""
+    return dict(prompt_tokens=len(p), prompt_sha=prompt_sha(p), new_tokens=len(out),
+                cycles=len(lengths),
+                tau=sum(lengths) / max(len(lengths), 1), lengths=lengths, committed=committed,
+                tau_committed=sum(committed) / max(sum(n > 0 for n in committed), 1))
 
 
 def evaluate(target, tokenizer, drafter, prompts, opts=EvalOptions(), indices=None):
@@ -205,157 +347,60 @@ def evaluate(target, tokenizer, drafter, prompts, opts=EvalOptions(), indices=No
     names), so a worker decodes prompts k::N as one process."""
     dc = drafter.cfg if drafter is not None else None
     K = opts.block_size or (dc.block_size if dc else 1)
-    eos_ids = opts.eos_ids
-    if eos_ids is None:  # the tokenizer's EOS plus the generation config's (Qwen3 instruct lists two)
-        g = target.generation_config.eos_token_id
-        eos_ids = [*(g if isinstance(g, (list, tuple)) else [g]),
-                   getattr(tokenizer, "eos_token_id", None)]
-    eos = frozenset(eos_ids) - {None}
+    eos = eos_set(target, tokenizer, opts.eos_ids)
     prompts = [p if p and isinstance(p[0], int) else render(tokenizer, p) for p in prompts]
     dev, dtype = target.device, next(target.parameters()).dtype
 
-    def how(i, max_new=opts.max_new_tokens):  # prompt i's decoding, its own seeded generator
+    def how(i, max_new=opts.max_new_tokens, **kw):  # prompt i's decoding, its own seeded generator
         gen = torch.Generator(device=dev).manual_seed(opts.seed + i)
-        return Decoding(max_new, eos, opts.temperature, gen)
+        return Decoding(max_new, eos, opts.temperature, gen, **{"rule": opts.verify[0], **kw})
+    extra = variants(opts, K, dc)
     if opts.warmup:  # first calls pay allocator/kernel set-up; keep them off the clock
         spec_decode(target, drafter, prompts[0], K, how(0, min(opts.max_new_tokens, 2 * K)))
         plain_decode(target, prompts[0], how(0, min(opts.max_new_tokens, 2 * K)))
     ref = functools.cache(lambda: target if dtype == torch.float32 else copy.deepcopy(target).float())
     c = dict(new_tokens=0, spec_s=0.0, plain_tokens=0, plain_s=0.0, time_s=dict.fromkeys(TIME_KEYS, 0.0),
-             per_prompt=[], divergences=[])
+             per_prompt=[], divergences=[],
+             variants={name: dict(kw, new_tokens=0, spec_s=0.0, per_prompt=[], divergences=[])
+                       for name, kw in extra.items()})
     for i, p in zip(range(len(prompts)) if indices is None else indices, prompts):
         t0 = _clock(dev)
         out, lengths, committed, confs = spec_decode(target, drafter, p, K, how(i), c["time_s"])
         c["spec_s"] += _clock(dev) - t0
         c["new_tokens"] += len(out)
         c["per_prompt"].append(dict(
-            prompt_tokens=len(p), prompt_sha=prompt_sha(p), new_tokens=len(out), cycles=len(lengths),
-            tau=sum(lengths) / max(len(lengths), 1), lengths=lengths, committed=committed,
-            tau_committed=sum(committed) / max(sum(n > 0 for n in committed), 1),
+            prompt_record(p, out, lengths, committed),
             output_ids=out,  # the history of a later turn (--bench mt-bench); runs compared
             **calibration_sums(confs, lengths)))
-        if not opts.check_lossless:
-            continue
-        t0 = _clock(dev)
-        base = plain_decode(target, p, how(i), c["time_s"])
-        c["plain_s"] += _clock(dev) - t0
-        c["plain_tokens"] += len(base)
-        if opts.temperature == 0 and out != base:
-            c["divergences"].append(divergence(ref(), i, p, out, base, fatal=dtype == torch.float32))
+        base = out
+        if opts.check_lossless:
+            t0 = _clock(dev)
+            base = plain_decode(target, p, how(i), c["time_s"])
+            c["plain_s"] += _clock(dev) - t0
+            c["plain_tokens"] += len(base)
+            if opts.temperature == 0 and out != base:
+                c["divergences"].append(divergence(ref(), i, p, out, base, fatal=dtype == torch.float32))
+        for name, kw in extra.items():
+            v = c["variants"][name]
+            t0 = _clock(dev)
+            o, lengths, committed, confs = spec_decode(target, drafter, p, K, how(i, **kw))
+            v["spec_s"] += _clock(dev) - t0
+            v["new_tokens"] += len(o)
+            v["per_prompt"].append(prompt_record(p, o, lengths, committed))
+            if "adaptive" in kw:  # the tokens each cycle's verify forward took (anchor + drafts)
+                v["per_prompt"][-1]["verified"] = [verify_length(x, kw["adaptive"]) + 1
+                                                   for x in confs]
+            if opts.temperature == 0 and o != base:  # greedy: any verify length is lossless too
+                v["divergences"].append(divergence(ref(), i, p, o, base, dtype == torch.float32))
     c["config"] = dict(block_size=K, drafter_block_size=dc and dc.block_size,
                        max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
                        seed=opts.seed, dtype=str(dtype).removeprefix("torch."), device=str(dev),
+                       verify=opts.verify[0] if opts.temperature > 0 else "greedy",
+                       adaptive=opts.adaptive,
                        eos=sorted(eos), target_layer_ids=dc and dc.target_layer_ids,
                        mask_token_id=dc and dc.mask_token_id)
     greedy_checked = opts.check_lossless and opts.temperature == 0
-    return _merge([dict(c, lossless=(not c["divergences"]) if greedy_checked else None)])
-
-
-def calibration_sums(confs, lengths):
-    """A prompt's cycles -> per offset j = 1..K-1 the sums of the predicted prefix acceptance (the
-    confidence head's probabilities multiplied up to j, what the engines plan with) and of its
-    squared error against the realized one (1 if the cycle accepted offset j, so the whole prefix
-    up to it; DeepSpec's calibration); {} without a confidence head."""
-    if not confs or confs[0] is None:
-        return {}
-    pred, sq = [0.0] * len(confs[0]), [0.0] * len(confs[0])
-    for conf, n in zip(confs, lengths):
-        run = 1.0
-        for j, c in enumerate(conf):
-            run *= c
-            pred[j] += run
-            sq[j] += (run - (n > j + 1)) ** 2
-    return dict(conf_pred=pred, conf_sq_err=sq)
-
-
-def calibration(per_prompt, pos_accept, cycles):
-    """Predicted vs realized acceptance of each offset's prefix over all cycles, with the Brier
-    score; None without a confidence head."""
-    if not per_prompt or "conf_pred" not in per_prompt[0]:
-        return None
-    def mean(key):  # over all cycles, per offset
-        return [sum(x) / max(cycles, 1) for x in zip(*(r[key] for r in per_prompt))]
-    return dict(predicted=mean("conf_pred"), realized=pos_accept, brier=mean("conf_sq_err"))
-
-
-def _merge(parts):
-    """Results (or evaluate()'s counts) of N workers, worker k having decoded prompts k, k+N, ... -> one results dict,
-    in prompt order. evaluate() builds its own here too, so N workers' figures are exactly one process's."""
-    n, total = len(parts), sum(len(r["per_prompt"]) for r in parts)
-    per_prompt = [parts[i % n]["per_prompt"][i // n] for i in range(total)]
-    divergences = sorted((d for r in parts for d in r["divergences"]), key=lambda d: d["prompt"])
-    K, lengths = parts[0]["config"]["block_size"], [n for r in per_prompt for n in r["lengths"]]  # per verify cycle
-    # accept_hist[L-1]: cycles that accepted L-1 drafts; offset j is accepted iff all drafts up to j matched
-    c = dict(accept_hist=[lengths.count(L) for L in range(1, K + 1)],
-             pos_accept_counts=[sum(n > j for n in lengths) for j in range(1, K)],
-             pos_seen_counts=[len(lengths)] * (K - 1))
-    c.update({k: sum(r[k] for r in parts) for k in ("new_tokens", "spec_s", "plain_tokens", "plain_s")})
-    c["time_s"] = {k: sum(r["time_s"][k] for r in parts) for k in TIME_KEYS}
-    pos_accept = [a / max(s, 1)  # offsets 1..K-1
-                  for a, s in zip(c["pos_accept_counts"], c["pos_seen_counts"])]
-    spec_tps = c["new_tokens"] / c["spec_s"]
-    plain_tps = c["plain_tokens"] / c["plain_s"] if c["plain_s"] else None  # no baseline: no time spent on it
-    return dict(  # tau: the authors' "Average Acceptance length" (the papers' figure), then the other counts
-        tau_figures(per_prompt), **engine_figures(per_prompt, K), cycles=sum(c["accept_hist"]),
-        pos_accept=pos_accept, confidence=calibration(per_prompt, pos_accept, len(lengths)),
-        spec_tok_s=spec_tps, plain_tok_s=plain_tps, speedup=spec_tps / plain_tps if plain_tps else None, **c,
-        lossless=(not divergences) if parts[0]["lossless"] is not None else None, divergences=divergences,
-        config=dict(parts[0]["config"], prompts=total, workers=n), per_prompt=per_prompt)
-
-
-def tau_figures(per_prompt, suffix=""):
-    """tau: the authors' count (accepted + 1 every cycle), the mean of per-prompt means, with a bootstrap 95% interval
-    over prompts (2,000 resamples, seeded); tau_committed: only the tokens that end up in the output, over the cycles
-    that gave any (no credit past EOS or max_new). _pooled: over all cycles of all prompts instead of per prompt."""
-    n, pooled = max(len(per_prompt), 1), lambda xs: sum(map(sum, xs)) / max(sum(map(len, xs)), 1)
-    boot = bootstrap_means([r["tau"] for r in per_prompt], torch.Generator().manual_seed(0))
-    return {f"tau{suffix}": sum(r["tau"] for r in per_prompt) / n, f"tau_ci95{suffix}": ci95(boot),
-            f"tau_pooled{suffix}": pooled([r["lengths"] for r in per_prompt]),
-            f"tau_committed{suffix}": sum(r["tau_committed"] for r in per_prompt) / n,
-            f"tau_committed_pooled{suffix}": pooled([[x for x in r["committed"] if x] for r in per_prompt])}
-
-
-def bootstrap_means(values, generator, n=2000):
-    """n means of len(values) draws with replacement, a float64 tensor [n] (no values: as [0.0])."""
-    x = torch.tensor([float(v) for v in values] or [0.0], dtype=torch.float64)
-    return x[torch.randint(len(x), (n, len(x)), generator=generator)].mean(1)
-
-
-def ci95(boot):
-    return boot.quantile(torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-
-
-def engine_figures(per_prompt, K):
-    """What SGLang and vLLM would print for the same decode (the same drafts, the same verify).
-    Both stop a request once its output holds an EOS or max_new tokens, so they run exactly the
-    cycles that committed a token here (the authors' loop runs one more after a first token that is
-    EOS, or with exactly max_new tokens out), and both count a cycle's drafts as its verify accepted
-    them, before the output is cut at EOS / max_new.
-    tau_sglang: SGLang's per-request meta_info["spec_accept_length"], completion_tokens /
-      spec_verify_ct (the cut output, the prefill's first token included), averaged over requests
-      as z-lab/dflash dflash/benchmark.py (44947fb, --backend sglang) averages it; a request with no
-      verify cycle has no such field and is left out. Read in sglang 0.5.23 (the PyPI wheel):
-      srt/managers/tokenizer_manager.py _calculate_spec_decoding_metrics and
-      srt/managers/scheduler_components/batch_result_processor.py _resolve_spec_v2_tokens.
-    tau_vllm: vLLM's "Mean acceptance length", 1 + accepted / drafts pooled over every cycle of
-      every request: vllm-project/vllm vllm/v1/spec_decode/metrics.py at ee4ceaa
-      (SpecDecodingLogging.log), the counts from vllm/v1/core/sched/scheduler.py at b4622cf
-      (update_from_output: accepted = len(sampled) - 1, before the stop check). SGLang's server log
-      "accept len" and its sglang:spec_accept_length gauge count the same way over their window,
-      (correct drafts + 1) per verify (sglang 0.5.23 scheduler_components/metrics_reporter.py).
-    vllm_pos_accept: vLLM's per-position acceptance rate, cycles that accepted offset j / drafts,
-    j = 1..K-1; vllm_draft_accept_rate: accepted / drafted tokens, K-1 drafted a cycle (DFlash's
-    num_speculative_tokens)."""
-    runs = [[n for n, c in zip(r["lengths"], r["committed"]) if c] for r in per_prompt]
-    cycles = [n for run in runs for n in run]  # the cycles the engines run, accepted + 1 each
-    if not cycles or K < 2:  # nothing drafted: neither engine prints a figure
-        return dict.fromkeys(["tau_sglang", "tau_vllm", "vllm_pos_accept",
-                              "vllm_draft_accept_rate"])
-    sglang = [r["new_tokens"] / len(run) for r, run in zip(per_prompt, runs) if run]
-    accepted = sum(n - 1 for n in cycles)
-    return dict(tau_sglang=sum(sglang) / len(sglang), tau_vllm=1 + accepted / len(cycles),
-                vllm_pos_accept=[sum(n > j for n in cycles) / len(cycles) for j in range(1, K)],
-                vllm_draft_accept_rate=accepted / (len(cycles) * (K - 1)))
+    return merge([dict(c, lossless=(not c["divergences"]) if greedy_checked else None)])
 
 
 @dataclass(frozen=True)
@@ -410,59 +455,11 @@ def evaluate_parallel_jobs(models, jobs, workers):
     out = []
     for j, (prompts, _) in enumerate(jobs):  # workers past a job's prompt count decoded none of it
         mine = [p[j] for p in parts[:min(n, len(prompts))]]
-        res = _merge([p["res"] for p in mine])
+        res = merge([p["res"] for p in mine])
         end = max(p["t"][1] for p in mine)
         out.append(dict(res, wall_s=end - t0,
                         aggregate_spec_tok_s=res["new_tokens"] / (end - min(p["t"][0] for p in mine))))
     return out
-
-
-def summary(res):
-    c, t, ms = res["config"], res["time_s"], lambda x, n: f"{1e3 * x / max(n, 1):.2f}"
-    lo, hi = res["tau_ci95"]
-    s = (f"eval: tau={res['tau']:.3f} [95% CI {lo:.3f}-{hi:.3f}] (pooled {res['tau_pooled']:.3f}; committed tokens "
-         f"only: {res['tau_committed']:.3f}, pooled {res['tau_committed_pooled']:.3f}) K={c['block_size']} "
-         f"prompts={c['prompts']} cycles={res['cycles']} spec={res['spec_tok_s']:.1f} tok/s")
-    if res["speedup"] is not None:
-        s += f" greedy={res['plain_tok_s']:.1f} tok/s speedup={res['speedup']:.2f}x"
-    s += f" lossless={res['lossless']} divergences={len(res['divergences'])} dtype={c['dtype']}"
-    if c.get("workers", 1) > 1:
-        s += f" workers={c['workers']} (aggregate spec {res['aggregate_spec_tok_s']:.1f} tok/s)"
-    if res.get("tau_vllm") is not None:  # this decode as the engines would log it (engine_figures)
-        s += (f"\n  as engines print it: SGLang spec_accept_length {res['tau_sglang']:.3f}, "
-              f"vLLM mean acceptance length {res['tau_vllm']:.3f} "
-              f"(draft acceptance rate {res['vllm_draft_accept_rate']:.3f})")
-    if res.get("confidence"):  # the confidence head: predicted vs realized prefix acceptance
-        cal = res["confidence"]
-        pairs = enumerate(zip(cal["predicted"], cal["realized"]), 1)
-        s += "\n  confidence head, predicted/realized prefix acceptance by offset: " + ", ".join(
-            f"{j}: {p:.2f}/{r:.2f}" for j, (p, r) in pairs)
-    s += "\n  per verify cycle: " + ", ".join(f"{k} {ms(t[k], res['cycles'])} ms" for k in ("draft", "verify", "other"))
-    if res["plain_tokens"]:  # the first token of each prompt comes from the prefill
-        s += f"; plain decoding: {ms(t['plain_step'], res['plain_tokens'] - len(res['per_prompt']))} ms per token"
-    if res.get("seen_in_training"):
-        s += (f"\n  WARNING: {res['seen_in_training']} of {c['prompts']} prompts are, as text, training prompts; "
-              + (f"on the other {c['prompts'] - res['seen_in_training']}: tau={res['tau_unseen']:.3f} "
-                 f"(pooled {res['tau_pooled_unseen']:.3f})" if "tau_unseen" in res else "no unseen prompt"))
-    return s
-
-
-def write_results(res, out_dir):
-    """out_dir/eval.json + eval.png (histogram of tokens per cycle | per-offset acceptance)."""
-    from matplotlib.figure import Figure  # no pyplot: no global backend state, renders headless (Agg)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "eval.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    fig = Figure(figsize=(10, 3.8))
-    ax1, ax2 = fig.subplots(1, 2)
-    K, cycles = len(res["accept_hist"]), max(res["cycles"], 1)
-    ax1.bar(range(1, K + 1), [h / cycles for h in res["accept_hist"]])
-    ax1.set(xlabel="tokens committed per verify cycle", ylabel="fraction of cycles",
-            title=f"tau {res['tau']:.2f} (pooled {res['tau_pooled']:.2f}), block {K}")
-    ax2.plot(range(1, K), res["pos_accept"], marker="o")
-    ax2.set(xlabel="block offset", ylabel="P(draft accepted)", ylim=(0, 1.02), title="per-position acceptance")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "eval.png"), dpi=120)
 
 
 def _unloadable(ckpt):  # why the drafter files of `ckpt` do not load, or None if they do
@@ -504,7 +501,7 @@ def watch(run_dir, out_dir, evaluate_ckpt, poll=30.0, once=False):
                 divergences=len(res["divergences"])))
             with open(log, "a") as f:
                 f.write(json.dumps(rows[-1]) + "\n")
-            _plot_tau(rows, os.path.join(out_dir, "tau.png"))
+            plot_tau(rows, os.path.join(out_dir, "tau.png"))
             print(f"watch: step {rows[-1]['step']}: {summary(res)}", flush=True)
         if finished or once:
             break
@@ -512,18 +509,6 @@ def watch(run_dir, out_dir, evaluate_ckpt, poll=30.0, once=False):
     print(f"watch: {len(rows)} checkpoints evaluated" + (f", {len(pruned)} pruned unread: {pruned}" if pruned else "")
           + (f", {len(torn)} incomplete or torn: {torn}" if torn else "") + f"; {log}", flush=True)
     return rows, pruned, torn
-
-
-def _plot_tau(rows, path):
-    from matplotlib.figure import Figure
-    fig, rows = Figure(figsize=(6, 3.8)), sorted(rows, key=lambda r: r["step"])
-    ax = fig.subplots()
-    for key in ("tau", "tau_pooled"):
-        ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker="o", label=key)
-    ax.set(xlabel="training step", ylabel="acceptance length", title="held-out tau by checkpoint")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def read_prompts(path, limit=None):
@@ -660,7 +645,14 @@ def _concat_turns(results, order):
     for k in ("new_tokens", "spec_s", "plain_tokens", "plain_s"):
         part[k] = sum(r[k] for r in results)
     part["time_s"] = {k: sum(r["time_s"][k] for r in results) for k in TIME_KEYS}
-    res = _merge([part])
+    part["variants"] = {}  # each variant's prompts in the same order
+    for name, v in results[0].get("variants", {}).items():
+        vs = [r["variants"][name] for r in results]
+        part["variants"][name] = dict(
+            v, per_prompt=[dict(vs[t]["per_prompt"][j], turn=t) for t, j in order],
+            divergences=[dict(d, prompt=where[t, d["prompt"]]) for t, x in enumerate(vs) for d in x["divergences"]],
+            **{k: sum(x[k] for x in vs) for k in ("new_tokens", "spec_s")})
+    res = merge([part])
     res["config"]["workers"] = results[0]["config"]["workers"]
     if "wall_s" in results[0]:  # evaluate_parallel's figures: its decoding phases add up
         phase = sum(r["new_tokens"] / r["aggregate_spec_tok_s"] for r in results)
@@ -669,140 +661,12 @@ def _concat_turns(results, order):
     return res
 
 
-def macro_figures(results, resamples=2000):
-    """results: set name -> results. The mean over sets of each set's figure (each set weighs the
-    same, whatever its size). tau's 95% interval: each round resamples every set's prompts on their
-    own, with replacement, and takes the mean of the sets' means (2,000 rounds, seeded)."""
-    gen = torch.Generator().manual_seed(0)
-    boot = torch.stack([bootstrap_means([r["tau"] for r in res["per_prompt"]], gen, resamples)
-                        for res in results.values()]).mean(0)
-    figures = ("tau", "tau_pooled", "tau_committed", "tau_sglang", "tau_vllm", "speedup")
-    mean = {k: None if any(r[k] is None for r in results.values())
-            else sum(r[k] for r in results.values()) / len(results) for k in figures}
-    return dict(mean, sets=len(results), tau_ci95=ci95(boot), resamples=resamples)
-
-
 def prompt_sha(ids):
     """A prompt's identity in eval.json (its token ids' sha256, 16 hex digits): --compare pairs by it."""
     return hashlib.sha256(json.dumps([int(t) for t in ids]).encode()).hexdigest()[:16]
 
 
-def compare(base_path, *new_paths, resamples=5000):
-    """eval.json files of the same prompts (eval.py --compare BASE NEW [NEW ...]) -> for each NEW
-    against BASE (compare_two); one NEW: its result, several: {path: result}, and a race table
-    (one row per run: each set's tau, the macro mean, its gain over BASE with the interval)."""
-    outs = {p: compare_two(base_path, p, resamples) for p in new_paths}
-    if len(new_paths) == 1:
-        return outs[new_paths[0]]
-    sets = [k for k in outs[new_paths[0]] if k != "macro mean"]
-    def name(path):  # a run's eval.json: its folder; another file: its own name
-        path = os.path.abspath(path)
-        stem = os.path.splitext(os.path.basename(path))[0]
-        return os.path.basename(os.path.dirname(path)) if stem == "eval" else stem
-    print(f"\n{'run':<16}" + "".join(f"{k[:12]:>13}" for k in sets) + f"{'macro':>9}  gain over {name(base_path)}")
-    first = outs[new_paths[0]]
-    print(f"{name(base_path):<16}" + "".join(f"{first[k]['base']:>13.3f}" for k in sets)
-          + (f"{first['macro mean']['base']:>9.3f}" if "macro mean" in first else ""))
-    for p, o in outs.items():
-        m = o.get("macro mean", o[sets[0]])
-        print(f"{name(p):<16}" + "".join(f"{o[k]['new']:>13.3f}" for k in sets)
-              + (f"{o['macro mean']['new']:>9.3f}" if "macro mean" in o else "")
-              + f"  {m['gain']:+.1%} [{m['gain_ci95'][0]:+.1%}, {m['gain_ci95'][1]:+.1%}]")
-    return outs
-
-
-def compare_two(base_path, new_path, resamples=5000):
-    """Two eval.json of the same prompts -> per set and for the macro mean: tau of each, the paired
-    difference NEW - BASE and the relative gain, each with a 95% interval from resampling the
-    prompts (the same draw for both runs; every set on its own for the macro mean; seeded), and
-    the prompts each run is ahead on."""
-    print(f"{new_path} against {base_path}:")
-    runs = []
-    for path in (base_path, new_path):
-        with open(path) as f:
-            res = json.load(f)
-        runs.append(res["sets"] if "sets" in res else {"prompts": res})
-    (a, b), gen = runs, torch.Generator().manual_seed(0)
-    if a.keys() != b.keys():
-        raise SystemExit(f"--compare: {base_path} has sets {sorted(a)}, {new_path} {sorted(b)}")
-    out, draws = {}, {}
-    for name in a:
-        pa, pb = a[name]["per_prompt"], b[name]["per_prompt"]
-        ka, kb = ([r.get("prompt_sha", r["prompt_tokens"]) for r in p] for p in (pa, pb))
-        if ka != kb:
-            raise SystemExit(f"--compare: set {name!r}: not the same prompts in the same order "
-                             f"({len(pa)} in {base_path}, {len(pb)} in {new_path})")
-        ta, tb = (torch.tensor([r["tau"] for r in p], dtype=torch.float64) for p in (pa, pb))
-        idx = torch.randint(len(ta), (resamples, len(ta)), generator=gen)
-        draws[name] = ta[idx].mean(1), tb[idx].mean(1)
-        out[name] = _paired(ta.mean(), tb.mean(), *draws[name], prompts=len(ta),
-                            ahead=int((tb > ta).sum()), behind=int((tb < ta).sum()))
-    if len(a) > 1:
-        ma, mb = (torch.stack([d[i] for d in draws.values()]).mean(0) for i in (0, 1))
-        out["macro mean"] = _paired(sum(o["base"] for o in out.values()) / len(a),
-                                    sum(o["new"] for o in out.values()) / len(a), ma, mb)
-    for name, o in out.items():
-        print(f"{name:<12} {o['base']:.3f} -> {o['new']:.3f}  {o['diff']:+.3f} "
-              f"[{o['diff_ci95'][0]:+.3f}, {o['diff_ci95'][1]:+.3f}]  {o['gain']:+.1%} "
-              f"[{o['gain_ci95'][0]:+.1%}, {o['gain_ci95'][1]:+.1%}]"
-              + (f"  ahead on {o['ahead']}, behind on {o['behind']} of {o['prompts']}"
-                 if "prompts" in o else ""))
-    return out
-
-
-def _paired(base, new, base_draws, new_draws, **counts):
-    base, new = float(base), float(new)
-    return dict(base=base, new=new, diff=new - base, diff_ci95=ci95(new_draws - base_draws),
-                gain=new / base - 1, gain_ci95=ci95(new_draws / base_draws - 1), **counts)
-
-
-def sets_summary(res):
-    """The per-set table, then the macro mean: one line each."""
-    f = lambda x, digits=3: "-" if x is None else f"{x:.{digits}f}"
-
-    def row(name, prompts, r, lossless=""):
-        return (f"{name:<14}{prompts:>8}{f(r['tau']):>8}  {'-'.join(map(f, r['tau_ci95'])):<14}"
-                f"{f(r['tau_sglang']):>8}{f(r['tau_vllm']):>8}{f(r['tau_committed']):>10}"
-                f"{f(r['speedup'], 2):>9}  {lossless}")
-    head = (f"{'set':<14}{'prompts':>8}{'tau':>8}  {'95% CI':<14}{'SGLang':>8}{'vLLM':>8}"
-            f"{'committed':>10}{'speedup':>9}  lossless")
-    lines = [row(n, r["config"]["prompts"], r, r["lossless"]) for n, r in res["sets"].items()]
-    return "\n".join([head, *lines, row("macro mean", "", res["macro"])])
-
-
-def write_sets(res, out_dir):
-    """out_dir/eval.json (every set's results, the macro mean) + eval.png (tau per set with its
-    interval and the engines' counts | per-offset acceptance per set)."""
-    from matplotlib.figure import Figure
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "eval.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    fig = Figure(figsize=(11, 4))
-    ax1, ax2 = fig.subplots(1, 2)
-    rows = [*res["sets"].items(), ("macro mean", res["macro"])]
-    x, tau = list(range(len(rows))), [r["tau"] for _, r in rows]
-    err = [[r["tau"] - r["tau_ci95"][0] for _, r in rows],
-           [r["tau_ci95"][1] - r["tau"] for _, r in rows]]
-    ax1.bar(x, tau, yerr=err, capsize=4, color=["C0"] * len(res["sets"]) + ["C7"],
-            label="tau, 95% CI")
-    for key, marker, color in (("tau_sglang", "_", "C3"), ("tau_vllm", "x", "k")):
-        nan = float("nan")  # an engine with no figure (no draft)
-        ax1.scatter(x, [nan if r[key] is None else r[key] for _, r in rows], marker=marker, s=90,
-                    color=color, zorder=3, label=key)
-    ax1.set_xticks(x, [n for n, _ in rows], rotation=20)
-    ax1.set(ylabel="acceptance length", title="tau per set (the authors' count)")
-    ax1.legend(fontsize=8)
-    for name, r in res["sets"].items():
-        ax2.plot(range(1, len(r["pos_accept"]) + 1), r["pos_accept"], marker="o", label=name)
-    K = max(len(r["pos_accept"]) for r in res["sets"].values()) + 1
-    ax2.set(xlabel="block offset", ylabel="P(draft accepted)", ylim=(0, 1.02), xticks=range(1, K),
-            title="per-position acceptance")
-    ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "eval.png"), dpi=120)
-
-
-def _args(argv):
+def _parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     arg, ckpt = p.add_argument, p.add_mutually_exclusive_group().add_argument
     arg("--target", help="HF folder (or SmolLM2 .gguf) of the target; with --watch/--demo: the run's")
@@ -824,6 +688,11 @@ def _args(argv):
         '\'{"enable_thinking": false}\' as z-lab renders Qwen3 prompts')
     arg("--max_new_tokens", type=int, default=256, help="default 256 (--demo: the demo's)")
     arg("--temperature", type=float, default=0.0)
+    arg("--verify", default="match,ratio", help="at --temperature > 0, the verification rules, "
+        "each its own decode of every prompt, the first giving the main figures: "
+        f"{', '.join(RULES)} (eval.py RULES)")
+    arg("--adaptive", type=float, metavar="THRESH", help="also decode verifying only the leading "
+        "drafts whose predicted prefix acceptance (the confidence head's) is >= THRESH")
     arg("--block_size", type=int, help="default: the drafter's")
     arg("--limit", type=int, help="first N prompts (--demo: the demo's)")
     arg("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -835,8 +704,14 @@ def _args(argv):
     arg("--out", help="default: out/eval; with --watch: RUN/eval; with --demo: RUN")
     arg("--compare", nargs="+", metavar="EVAL_JSON", help="BASE NEW [NEW ...]: eval.json files of the same "
         "prompts: each NEW's paired difference from BASE per set and of the macro mean, with intervals; "
-        "several NEW: also one table of all")
+        "several NEW: also one table of all; A1.json,A2.json: one arm trained under several "
+        "seeds (the seeds' spread in the interval)")
     arg("--workers", type=int, default=1, help="processes sharing the device, worker k taking prompts k, k+N, ...")
+    return p
+
+
+def _args(argv):
+    p = _parser()
     a = p.parse_args(argv)
     if run := a.watch or a.demo:  # new defaults, explicit flags still winning: the run's target and training data
         if not os.path.exists(os.path.join(run, "config.json")):
@@ -856,6 +731,10 @@ def _args(argv):
                          (a.workers < 1, "--workers must be >= 1"),
                          (bool(a.bench and a.watch), "--bench goes with --drafter or --demo"),
                          (not isinstance(a.chat_kwargs, dict), "--chat_kwargs: a JSON object"),
+                         (not set(a.verify.split(",")) <= set(RULES),
+                          f"--verify {a.verify}: rules are {', '.join(RULES)}"),
+                         (a.adaptive is not None and not 0 < a.adaptive <= 1,
+                          "--adaptive: in (0, 1]"),
                          ((a.block_size or 1) != 1 and not (a.drafter or run),
                           "--block_size > 1 needs --drafter")):
         if bad:
@@ -913,7 +792,8 @@ def evaluate_cli(a):
     keys = data.training_prompt_keys(a.train_data) if a.train_data else None
     dtype, why = choose_dtype(a.dtype, a.device)
     print(f"dtype: {str(dtype).removeprefix('torch.')} ({why})", flush=True)
-    opts = EvalOptions(a.max_new_tokens, a.temperature, a.block_size, a.check_lossless, seed=a.seed)
+    opts = EvalOptions(a.max_new_tokens, a.temperature, a.block_size, a.check_lossless, seed=a.seed,
+                       verify=tuple(a.verify.split(",")), adaptive=a.adaptive)
     models = Models(a.target, None, a.device, dtype)
     # one target for every checkpoint
     target = functools.cache(lambda: load_for_generation(a.target, a.device, dtype))

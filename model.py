@@ -414,8 +414,8 @@ class DFlashDrafter(nn.Module):
 
     def draft_tokens(self, logits_BKV, h_BKD, first_B, pick, embed_VD=None):
         """A block's drafted tokens from the logits of offsets 1..K-1 [B, K-1, V] and their normed
-        hidden [B, K-1, D] -> (tokens [B, K-1], the confidence head's probabilities [K-1] for
-        batch row 0, None without one). pick(logits [..., V]) chooses. No Markov or Domino head:
+        hidden [B, K-1, D] -> (tokens [B, K-1], the confidence head's probabilities [B, K-1], None
+        without one). pick(logits [..., V]) chooses (argmax, or a sample). No Markov or Domino head:
         every offset at once; with one, left to right from first (the anchor), each drafted token
         the next one's previous, as DSpark and Domino draft. embed_VD: the target's embedding
         table (a Domino head reads the drafted tokens through it)."""
@@ -433,7 +433,8 @@ class DFlashDrafter(nn.Module):
             toks.append(pick(logits_BKV[:, k] + self.markov_head(toks[-1]).to(logits_BKV.dtype)))
         conf = None
         if self.cfg.confidence_head:  # on [h ; markov_w1[previous drafted token]], as engines do
-            conf = torch.sigmoid(self.confidence_logits(h_BKD[0], torch.cat(toks[:-1])))
+            prev_BK = torch.stack(toks[:-1], 1)  # offset k's previous token: the anchor, then drafts
+            conf = torch.sigmoid(self.confidence_logits(h_BKD, prev_BK))
         return torch.stack(toks[1:], 1), conf
 
     def domino_bias(self, h_MD, g_MG):

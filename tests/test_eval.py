@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import eval as ev
+import report
 from model import DFlashDrafter, drafter_config_from_target, save_drafter
 from target import features
 
@@ -150,16 +151,16 @@ def test_confidence_calibration_on_hand_made_cycles():
     0.5) with none. Predicted prefix acceptance = the running product: (0.9, 0.45, 0.225) and
     (0.8, 0.8, 0.4); realized: (1, 1, 0) and (0, 0, 0); per offset the sums of the predictions and
     of the squared errors, then the means over cycles."""
-    sums = ev.calibration_sums([[0.9, 0.5, 0.5], [0.8, 1.0, 0.5]], [3, 1])
+    sums = report.calibration_sums([[0.9, 0.5, 0.5], [0.8, 1.0, 0.5]], [3, 1])
     want_pred, want_sq = [1.7, 1.25, 0.625], [0.01 + 0.64, 0.3025 + 0.64, 0.225 ** 2 + 0.16]
     for got, want in ((sums["conf_pred"], want_pred), (sums["conf_sq_err"], want_sq)):
         assert got == pytest.approx(want)
-    cal = ev.calibration([sums], [0.5, 0.5, 0.0], 2)
+    cal = report.calibration([sums], [0.5, 0.5, 0.0], 2)
     assert cal["predicted"] == pytest.approx([0.85, 0.625, 0.3125])
     assert cal["brier"] == pytest.approx([x / 2 for x in want_sq])
     assert cal["realized"] == [0.5, 0.5, 0.0]
-    assert ev.calibration_sums([None, None], [1, 2]) == {}
-    assert ev.calibration([{}], [0.5], 1) is None
+    assert report.calibration_sums([None, None], [1, 2]) == {}
+    assert report.calibration([{}], [0.5], 1) is None
 
 
 def test_confidence_head_stays_lossless_and_is_reported(llama):
@@ -491,11 +492,11 @@ def test_split_prompts_merge_to_one_run(monkeypatch, llama, dtype, temperature):
     one = ev.evaluate(target, None, drafter, ps, ev.EvalOptions(**kw))
     parts = [ev.evaluate(target, None, drafter, ps[k::3], ev.EvalOptions(**kw),
                          indices=range(k, 4, 3)) for k in range(3)]
-    merged = ev._merge(parts)
+    merged = report.merge(parts)
     for key in EXACT:
         assert merged[key] == one[key], key
     assert merged["config"] == dict(one["config"], workers=3)
-    assert merged["time_s"] == {k: sum(p["time_s"][k] for p in parts) for k in ev.TIME_KEYS}
+    assert merged["time_s"] == {k: sum(p["time_s"][k] for p in parts) for k in report.TIME_KEYS}
     if temperature == 0:
         assert [d["prompt"] for d in merged["divergences"]] == [0, 1, 2, 3] and merged["lossless"] is False
     else:  # the seeds matter: a worker numbering its prompts from 0 would decode prompt 3 as prompt 0 of its share
@@ -597,7 +598,7 @@ def test_cli_demo_untrained_vs_trained(saved, llama, tmp_path, monkeypatch, caps
     out = capsys.readouterr().out
     assert f"acceptance length tau (as the authors count it): untrained {u['tau']:.2f} -> trained {t['tau']:.2f}" \
            f"   (pooled over verify cycles: {u['tau_pooled']:.2f} -> {t['tau_pooled']:.2f})" in out
-    assert f"trained (ckpt-0000001): {ev.summary(t)}" in out
+    assert f"trained (ckpt-0000001): {report.summary(t)}" in out
 
 # -----------------------------------------------------------------------------
 # --watch: every checkpoint of a training run, as it appears
@@ -668,7 +669,7 @@ def test_watch_counts_pruned_checkpoints(tmp_path, llama):
     fake = dict(tau=2.0, tau_pooled=1.5, tau_ci95=[1.5, 2.5], tau_committed=1.5, tau_committed_pooled=1.5,
                 speedup=None, lossless=None, divergences=[], accept_hist=[1, 1], cycles=2, pos_accept=[0.5],
                 config=dict(block_size=2, prompts=1, dtype="float32"), per_prompt=[{}], plain_tokens=0,
-                spec_tok_s=1.0, time_s=dict.fromkeys(ev.TIME_KEYS, 0.0))
+                spec_tok_s=1.0, time_s=dict.fromkeys(report.TIME_KEYS, 0.0))
 
     def evaluate_ckpt(path):
         if path.endswith("ckpt-0000002"):
@@ -742,8 +743,8 @@ def test_engine_counts_on_hand_made_cycles():
     B = dict(lengths=[3, 4], committed=[3, 2], new_tokens=6, tau=7 / 2, tau_committed=5 / 2)
     C = dict(lengths=[2], committed=[0], new_tokens=1, tau=2.0, tau_committed=0.0)
     # the authors': every cycle, the mean of per-prompt means
-    assert ev.tau_figures([A, B, C])["tau"] == pytest.approx((3.25 + 3.5 + 2) / 3)
-    e = ev.engine_figures([A, B, C], 4)
+    assert report.tau_figures([A, B, C])["tau"] == pytest.approx((3.25 + 3.5 + 2) / 3)
+    e = report.engine_figures([A, B, C], 4)
     # SGLang: completion tokens (the first one too) / verify cycles per request; C has no verify
     assert e["tau_sglang"] == pytest.approx((10 / 3 + 6 / 2) / 2)
     # vLLM: 1 + accepted / drafts over the engines' 5 cycles: accepted 3, 3, 0 | 2, 3
@@ -751,7 +752,7 @@ def test_engine_counts_on_hand_made_cycles():
     assert e["vllm_pos_accept"] == pytest.approx([4 / 5, 4 / 5, 3 / 5])  # accepted >= 1, 2, 3
     assert e["vllm_draft_accept_rate"] == pytest.approx(11 / 15)
     none = dict.fromkeys(["tau_sglang", "tau_vllm", "vllm_pos_accept", "vllm_draft_accept_rate"])
-    assert ev.engine_figures([C], 4) == none  # nothing drafted: neither engine prints a figure
+    assert report.engine_figures([C], 4) == none  # nothing drafted: neither engine prints a figure
 
 
 def test_engine_counts_of_a_real_decode(monkeypatch, llama):
@@ -771,7 +772,7 @@ def test_engine_counts_of_a_real_decode(monkeypatch, llama):
                         ev.EvalOptions(41, block_size=4, eos_ids=[greedy[0]]))
     assert first["tau"] == 4 and first["tau_sglang"] is None and first["tau_vllm"] is None
     assert ("as engines print it: SGLang spec_accept_length 4.100, "
-            "vLLM mean acceptance length 4.000") in ev.summary(res)
+            "vLLM mean acceptance length 4.000") in report.summary(res)
 
 
 BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -867,9 +868,9 @@ def test_macro_interval_resamples_each_set_on_its_own():
     interval, shifted and halved."""
     rec = lambda tau: dict(tau=tau, lengths=[tau], committed=[tau], tau_committed=tau)
     a, b = [rec(1.0), rec(2.0), rec(4.0)], [rec(10.0)] * 5
-    res = {"a": dict(ev.tau_figures(a), per_prompt=a, tau_sglang=2.0, tau_vllm=None, speedup=1.0),
-           "b": dict(ev.tau_figures(b), per_prompt=b, tau_sglang=9.0, tau_vllm=None, speedup=3.0)}
-    m = ev.macro_figures(res)
+    res = {"a": dict(report.tau_figures(a), per_prompt=a, tau_sglang=2.0, tau_vllm=None, speedup=1.0),
+           "b": dict(report.tau_figures(b), per_prompt=b, tau_sglang=9.0, tau_vllm=None, speedup=3.0)}
+    m = report.macro_figures(res)
     assert m["tau"] == pytest.approx((7 / 3 + 10) / 2) and m["sets"] == 2
     assert m["tau_sglang"] == 5.5 and m["speedup"] == 2.0
     assert m["tau_vllm"] is None  # a set without the figure: no macro figure
@@ -959,7 +960,7 @@ def test_cli_bench_one_json_and_plot(saved, llama, tmp_path, capsys):
     assert [r["prompt_tokens"] for r in mt[1::2]] == [len(ev.render(tok, m)) for m in second]
     assert sets["mt-bench"]["tau"] == pytest.approx(sum(r["tau"] for r in mt) / 4)
     out = capsys.readouterr().out
-    assert ev.sets_summary(res) in out and "\nmacro mean" in out
+    assert report.sets_summary(res) in out and "\nmacro mean" in out
 
 
 def test_cli_bench_workers_decode_single_turn_sets_together(saved, llama, tmp_path, capsys):
@@ -1038,3 +1039,239 @@ def test_cli_demo_with_bench(saved, llama, tmp_path, monkeypatch, capsys):
     gpu, cpu = (ev._args(["--demo", str(run), "--device", dev]) for dev in ("cuda", "cpu"))
     assert (gpu.bench, gpu.limit) == ("humaneval,sharegpt,chitchat", 32)
     assert cpu.bench is None and cpu.data == str(tmp_path / "chitchat_eval.jsonl")
+
+
+# ---------------------------------------------- speculative sampling keeps the target's distribution
+SV, SK, SNEW, ALPHA = 6, 2, 3, 0.001  # vocab, block (one draft a cycle: accept, reject and bonus), new tokens
+
+
+@pytest.fixture(scope="module")
+def small():
+    """A one-layer target over 6 tokens and a drafter with a Markov head (its bias given the anchor
+    shapes q), random: they disagree often, so rejections and bonus tokens both happen."""
+    torch.manual_seed(0)
+    t = LlamaForCausalLM(LlamaConfig(
+        vocab_size=SV, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=EOS, pad_token_id=0, initializer_range=0.5)).eval()
+    torch.manual_seed(1)
+    cfg = drafter_config_from_target(t.config, None, num_hidden_layers=1, mask_token=MASK, block_size=SK,
+                                     target_layer_ids=[0], markov_rank=4)
+    return t, DFlashDrafter(cfg).eval()
+
+
+def exact_continuations(target, prompt, T):
+    """P(t1 t2 t3) of plain sampling at temperature T, enumerated: [V ** 3], t1 major."""
+    L = len(prompt)
+    seqs = torch.tensor([prompt + [a, b] for a in range(SV) for b in range(SV)])
+    with torch.no_grad():
+        p = torch.softmax(target(seqs).logits.double() / T, -1)
+    p1, p2, p3 = p[0, L - 1], p[::SV, L], p[:, L + 1].view(SV, SV, SV)
+    return (p1[:, None, None] * p2[:, :, None] * p3).flatten()
+
+
+def continuations(target, drafter, prompt, rule, n, T=1.0):
+    """Counts of the first SNEW tokens over n seeded speculative decodes: [V ** 3]."""
+    counts = torch.zeros(SV ** SNEW, dtype=torch.float64)
+    for seed in range(n):
+        how = ev.Decoding(SNEW, frozenset(), T, torch.Generator().manual_seed(seed), rule=rule)
+        out = ev.spec_decode(target, drafter, prompt, SK, how)[0]
+        counts[(out[0] * SV + out[1]) * SV + out[2]] += 1
+    return counts
+
+
+def chi_square(counts, probs):
+    """Pearson's test of counts against probs, the cells expected below 5 pooled into one ->
+    (statistic, degrees of freedom, p-value)."""
+    e = probs * counts.sum()
+    low = e < 5
+    o, e = counts[~low], e[~low]
+    if low.any():
+        o, e = torch.cat([o, counts[low].sum()[None]]), torch.cat([e, (probs[low].sum() * counts.sum())[None]])
+    stat, df = float(((o - e) ** 2 / e).sum()), len(o) - 1
+    return stat, df, float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(stat / 2.0)))
+
+
+def chi_square_power(n, df, w, alpha=ALPHA, draws=20000):
+    """The chance the test rejects at alpha when the truth is off by Cohen's effect size w
+    (noncentrality n w^2), by simulating the noncentral chi-square."""
+    lo, hi = 0.0, 10.0 * df + 100  # the critical value: P(chi2_df > c) = alpha
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(mid / 2))) > alpha \
+            else (lo, mid)
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(draws, df, generator=g, dtype=torch.float64)
+    z[:, 0] += (n * w * w) ** 0.5
+    return float(((z ** 2).sum(1) > hi).double().mean())
+
+
+def test_ratio_test_keeps_the_target_distribution(monkeypatch, small, capsys):
+    """The continuations (3 tokens over 6) of speculative decoding at temperature 1 are distributed
+    as the target's own sampling, enumerated exactly: a chi-square test per rule (the engines'
+    greedy drafts with q one-hot, sampled drafts with the drafter's q, the authors' token
+    matching) does not reject at ALPHA; two planted wrong rules (every draft accepted; the rejected
+    position resampled from p instead of max(0, p - q)) are rejected by the same test."""
+    target, drafter = small
+    prompt, n = [3, 1, 4], 600
+    exact = exact_continuations(target, prompt, 1.0)
+    assert abs(float(exact.sum()) - 1) < 1e-9
+    got = {}
+    for rule in ("ratio", "ratio_sampled", "match"):
+        got[rule] = chi_square(continuations(target, drafter, prompt, rule, n), exact)
+    real = ev.residual
+    for name, patch in (("accept always", ("accepts", lambda u, p, q: torch.ones_like(u, dtype=torch.bool))),
+                        ("residual from p", ("residual", lambda p, x, q: p))):
+        with monkeypatch.context() as m:
+            m.setattr(ev, *patch)
+            got[name] = chi_square(continuations(target, drafter, prompt, "ratio", n // 2), exact)
+    assert ev.residual is real
+    _, df, _ = got["ratio"]
+    power = chi_square_power(n, df, 0.25)
+    with capsys.disabled():
+        print(f"\n  chi-square, {n} decodes a rule ({n // 2} planted), alpha {ALPHA}, power {power:.2f} at w=0.25: "
+              + "; ".join(f"{k} {s:.1f} (df {d}) p={p:.3g}" for k, (s, d, p) in got.items()))
+    assert power > 0.8
+    for rule in ("ratio", "ratio_sampled", "match"):
+        assert got[rule][2] >= ALPHA, (rule, got[rule])
+    for name in ("accept always", "residual from p"):
+        assert got[name][2] < ALPHA, (name, got[name])
+
+
+def test_ratio_test_by_hand():
+    """One block: drafts accepted while u <= p(x) / q(x) (q one-hot: p(x)); at the first rejection
+    the token comes from max(0, p - q) (one-hot: p without the draft), after all of them the bonus
+    from p. Logits chosen so each outcome is certain."""
+    big = 30.0
+    logits = torch.full((3, 4), -big)
+    logits[0, 1] = logits[1, 2] = logits[2, 3] = big  # the target is sure: 1, then 2, then 3
+    how = ev.Decoding(4, frozenset(), 1.0, torch.Generator().manual_seed(0), rule="ratio")
+    assert ev.ratio_test([1, 2], None, logits, how) == (2, 3)  # both right: the bonus is p's
+    assert ev.ratio_test([1, 0], None, logits, how) == (1, 2)  # p(0) ~ 0 at offset 2: rejected, p without 0
+    q = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.25] * 4])
+    p = torch.softmax(torch.tensor([[0.0, 0.0, 0.0, -big]]), -1)[0]  # 1/3 each but token 3
+    assert ev.residual(p, 1, q[0]).tolist() == pytest.approx([1 / 3, 0, 0, 0], abs=1e-6)  # max(0, p - q)
+    assert ev.residual(p, 1, None).tolist() == pytest.approx([1 / 3, 0, 1 / 3, 0], abs=1e-6)  # one-hot q
+    n = 4000  # p(2) / q(2) = (1/3) / (1/2): accepted 2/3 of the time
+    logits = torch.log(torch.stack([p, p]))
+    acc = sum(ev.ratio_test([2], q[:1], logits, replace_gen(how, s))[0] for s in range(n)) / n
+    assert acc == pytest.approx(2 / 3, abs=0.03)
+
+
+def replace_gen(how, seed):
+    import dataclasses
+    return dataclasses.replace(how, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("rule", ev.RULES)
+def test_every_rule_is_greedy_as_temperature_goes_to_zero(llama, rule):
+    """At temperature 1e-4 each rule's output is plain greedy decoding's."""
+    target, drafter = llama
+    for p in prompts(2):
+        greedy = ev.plain_decode(target, p, ev.Decoding(24, {EOS}))
+        how = ev.Decoding(24, {EOS}, 1e-4, torch.Generator().manual_seed(0), rule=rule)
+        assert ev.spec_decode(target, drafter, p, 4, how)[0] == greedy
+
+
+def test_rules_side_by_side_at_temperature(llama):
+    """At temperature > 0 eval.json holds the main rule's figures (token matching) and, under
+    variants, each other rule's tau with its interval over the same prompts; greedy has none."""
+    target, drafter = llama
+    kw = dict(max_new_tokens=12, block_size=4, eos_ids=[EOS], warmup=False)
+    res = ev.evaluate(target, None, drafter, prompts(3), ev.EvalOptions(temperature=1.0, **kw))
+    assert res["config"]["verify"] == "match" and list(res["variants"]) == ["ratio"]
+    v = res["variants"]["ratio"]
+    assert v["rule"] == "ratio" and len(v["per_prompt"]) == 3 and v["tau_ci95"][0] <= v["tau"] <= v["tau_ci95"][1]
+    assert [r["prompt_sha"] for r in v["per_prompt"]] == [r["prompt_sha"] for r in res["per_prompt"]]
+    assert "ratio test as vLLM and SGLang verify" in report.summary(res)
+    parts = [ev.evaluate(target, None, drafter, prompts(3)[k::2], ev.EvalOptions(temperature=1.0, **kw),
+                         indices=range(k, 3, 2)) for k in range(2)]  # two workers' shares: the same figures
+    merged = report.merge(parts)["variants"]["ratio"]
+    assert merged["per_prompt"] == v["per_prompt"] and merged["tau_ci95"] == v["tau_ci95"]
+    greedy = ev.evaluate(target, None, drafter, prompts(1), ev.EvalOptions(**kw))
+    assert greedy["variants"] == {} and greedy["config"]["verify"] == "greedy"
+    with pytest.raises(ValueError, match="unknown rule"):
+        ev.evaluate(target, None, drafter, prompts(1), ev.EvalOptions(temperature=1.0, verify=("exact",), **kw))
+
+
+def test_draft_tokens_any_batch_size(llama):
+    """draft_tokens with a Markov and a confidence head: a batch of 3 blocks gives each row what
+    that block alone gives, tokens and confidences."""
+    target, _ = llama
+    drafter = tiny_drafter(target, block_size=6, markov_rank=4, confidence_head=True)
+    g = torch.Generator().manual_seed(0)
+    logits, h = torch.randn(3, 5, V, generator=g), torch.randn(3, 5, drafter.cfg.hidden_size, generator=g)
+    first = torch.tensor([7, 8, 9])
+    with torch.no_grad():
+        toks, conf = drafter.draft_tokens(logits, h, first, lambda x: x.argmax(-1))
+        assert toks.shape == conf.shape == (3, 5)
+        for b in range(3):
+            t1, c1 = drafter.draft_tokens(logits[b:b + 1], h[b:b + 1], first[b:b + 1], lambda x: x.argmax(-1))
+            assert toks[b].tolist() == t1[0].tolist()
+            torch.testing.assert_close(conf[b], c1[0])
+
+
+def test_adaptive_verify_length(llama):
+    """--adaptive: the verify forward takes the anchor and the leading drafts whose predicted prefix
+    acceptance clears the threshold; greedy output stays plain greedy decoding's (fp32); the
+    figures count the target tokens saved against the fixed length. A threshold of ~0 verifies
+    every draft (nothing saved); a drafter without a confidence head is refused."""
+    assert ev.verify_length([0.9, 0.5, 0.8], 0.4) == 2 and ev.verify_length([0.3, 1.0], 0.4) == 0
+    assert ev.verify_length([1.0, 1.0], 0.4) == 2
+    target, _ = llama
+    drafter = tiny_drafter(target, block_size=8, markov_rank=4, confidence_head=True)
+    kw = dict(max_new_tokens=24, block_size=8, eos_ids=[EOS], warmup=False)
+    res = ev.evaluate(target, None, drafter, prompts(3), ev.EvalOptions(adaptive=0.1, **kw))
+    a = res["variants"]["adaptive"]
+    assert res["lossless"] is True and a["divergences"] == []
+    verified = [x for r in a["per_prompt"] for x in r["verified"]]
+    assert all(1 <= x <= 8 for x in verified) and min(verified) < 8
+    assert a["verified_per_cycle"] == pytest.approx(sum(verified) / a["cycles"])
+    assert a["fixed_target_tokens_verified"] == 8 * res["cycles"]
+    assert a["target_tokens_saved"] == 8 * res["cycles"] - sum(verified) > 0
+    assert "adaptive verify length" in report.summary(res)
+    every = ev.evaluate(target, None, drafter, prompts(3), ev.EvalOptions(adaptive=1e-12, **kw))
+    assert every["variants"]["adaptive"]["target_tokens_saved"] == 0
+    assert every["variants"]["adaptive"]["tau"] == every["tau"]
+    with pytest.raises(ValueError, match="confidence head"):
+        ev.evaluate(target, None, tiny_drafter(target, 8), prompts(1), ev.EvalOptions(adaptive=0.5, **kw))
+
+
+def test_verdict_says_what_lossless_and_speedup_mean():
+    """The printed verdict: how many prompts diverged in bf16 and after how many tokens (the median
+    of each prompt's first divergence), why, and, for a drafter slower than plain decoding, the
+    time split and the tau it would need."""
+    res = dict(config=dict(block_size=16, dtype="bfloat16", prompts=4, temperature=0.0), lossless=False,
+               divergences=[dict(prompt=0, position=30), dict(prompt=2, position=10), dict(prompt=3, position=50)],
+               speedup=0.98, cycles=10, tau_pooled=1.5, plain_tokens=104, per_prompt=[{}] * 4,
+               time_s=dict(draft=0.02, verify=0.03, other=0.01, plain_step=0.4))
+    text = "\n".join(report.verdict(res))
+    assert "3 of 4 prompts diverged from plain greedy decoding, after a median of 30 identical new tokens" in text
+    assert "16-token verify" in text and "float32" in text
+    assert "slower than plain decoding" in text and "6.00 ms (draft 2.00, verify 3.00, other 1.00)" in text
+    assert "plain decoding 4.00 ms a token: at these costs it pays from tau 1.50 on" in text
+    assert report.verdict(dict(res, lossless=True, speedup=1.5)) == []
+
+
+def test_compare_pools_seeds_and_prompts(tmp_path):
+    """--compare A1,A2 B1,B2: each arm's tau is the mean over its seeds and prompts, and the
+    interval resamples seeds, then prompts. Known answer: every prompt of A's two seeds and B's first
+    has tau 2, B's second seed 3: B - A = 0.5, and the seed draws alone (2, 2.5 or 3 for B) put
+    the interval at [0, 1]; one seed per arm (A1 against B2) says 1.0 [1.0, 1.0]."""
+    def run(name, tau):
+        per = [dict(tau=tau, prompt_tokens=3, prompt_sha=f"p{i}") for i in range(5)]
+        (path := tmp_path / f"{name}.json").write_text(json.dumps(
+            {"sets": {s: dict(tau=tau, per_prompt=per) for s in ("x", "y")}}))
+        return str(path)
+    a1, a2, b1, b2 = run("a1", 2.0), run("a2", 2.0), run("b1", 2.0), run("b2", 3.0)
+    out = ev.main(["--compare", f"{a1},{a2}", f"{b1},{b2}"])
+    for k in ("x", "y", "macro mean"):
+        assert out[k]["diff"] == pytest.approx(0.5) and out[k]["diff_ci95"] == pytest.approx([0.0, 1.0])
+    assert out["x"]["seeds"] == [2, 2]
+    one = ev.main(["--compare", a1, b2])
+    assert one["x"]["diff"] == pytest.approx(1.0) and one["x"]["diff_ci95"] == pytest.approx([1.0, 1.0])
+    with pytest.raises(SystemExit, match="not the same prompts"):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({"sets": {s: dict(tau=2.0, per_prompt=[dict(tau=2.0, prompt_tokens=3,
+                                                                              prompt_sha="z")]) for s in "xy"}}))
+        ev.main(["--compare", f"{a1},{bad}", b1])
