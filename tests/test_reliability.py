@@ -677,3 +677,82 @@ def test_plan_prints_each_roles_memory_and_the_largest_num_anchors_per_length(va
                      ("1x8", r"target_ranks \(2\) \+ drafter_ranks \(1\)")):
         with pytest.raises(SystemExit, match=rf"invalid config:\n  plan='{bad}'.*{why}"):
             train.main(train.Config(**{**valid, "plan": bad, "target": "/nonexistent/model"}))
+
+
+# -----------------------------------------------------------------------------
+# the shared cache: two processes at once, and a crashed writer's leftovers
+
+
+def tiny_gguf(path, V=512, D=64, F=128):
+    """A stand-in for SmolLM2's GGUF that converts in seconds (the real one takes ~1 minute here): its tokenizer
+    cut to the first V tokens and the merges among them, one random fp32 Llama layer of width D."""
+    import gguf
+    import numpy as np
+    import target
+    f = gguf.GGUFReader(target.smollm2_gguf()).fields
+    tokens = f["tokenizer.ggml.tokens"].contents()[:V]
+    merges = [m for m in f["tokenizer.ggml.merges"].contents()
+              if all(p in tokens for p in m.split(" ")) and m.replace(" ", "") in tokens]
+    new = {"llama.block_count": 1, "llama.embedding_length": D, "llama.feed_forward_length": F,
+           "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2, "llama.rope.dimension_count": 16,
+           "llama.vocab_size": V, "general.file_type": 0, "tokenizer.ggml.tokens": tokens,
+           "tokenizer.ggml.merges": merges, "tokenizer.ggml.token_type": f["tokenizer.ggml.token_type"].contents()[:V]}
+    w = gguf.GGUFWriter(str(path), "llama")
+    for k, field in f.items():
+        if not k.startswith("GGUF.") and k != "general.architecture":
+            t = field.types[0]
+            sub = {"sub_type": field.types[-1]} if t == gguf.GGUFValueType.ARRAY else {}
+            w.add_key_value(k, new.get(k, field.contents()), t, **sub)
+    shapes = {"token_embd.weight": (V, D), "output_norm.weight": (D,)}
+    shapes.update({f"blk.0.{n}.weight": s for n, s in (
+        ("attn_norm", (D,)), ("ffn_norm", (D,)), ("attn_q", (D, D)), ("attn_k", (D // 2, D)),
+        ("attn_v", (D // 2, D)), ("attn_output", (D, D)), ("ffn_gate", (F, D)), ("ffn_up", (F, D)),
+        ("ffn_down", (D, F)))})
+    rng = np.random.default_rng(0)
+    for name, s in shapes.items():
+        w.add_tensor(name, rng.normal(0, 0.02, s).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+RACER = """
+import sys, time
+from pathlib import Path
+import target
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM  # convert_gguf's
+gguf, cache, me = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+(cache.parent / f"ready-{me}").touch()  # imports done: wait for the other, then both convert at once
+while len(list(cache.parent.glob("ready-*"))) < 2:
+    time.sleep(0.01)
+print("result", target.convert_gguf(gguf, cache / "tiny"), flush=True)
+"""
+
+
+def test_two_processes_converting_into_an_empty_cache_both_get_one_conversion(tmp_path):
+    """Two real processes convert the same GGUF into an empty cache (target.convert_gguf, the demo's and the test
+    fixtures' path), released together by a file barrier once their imports are done; the cache also holds a
+    crashed writer's half-written folder (tiny.tmp<pid>, that pid gone). Both succeed with the same complete
+    folder, one converts while the other waits and takes its result, and nothing else is left in the cache."""
+    gguf = tiny_gguf(tmp_path / "tiny.Q4_1.gguf")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    (leftover := cache / f"tiny.tmp{dead.pid}").mkdir()
+    (leftover / "model.safetensors").write_bytes(b"torn")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, str(gguf), str(cache), str(i)], env=env, cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in racers]
+    for p, (out, err) in zip(racers, outs):
+        assert p.returncode == 0, err[-3000:]
+        assert f"result {cache / 'tiny'}" in out
+    said = "".join(out for out, _ in outs)
+    assert said.count("converting ") == 1, said  # one conversion; the other process took its result
+    assert sorted(os.listdir(cache)) == ["tiny"]  # the dead writer's folder is gone, no .tmp, no lock file
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(cache / "tiny"))
+    import target
+    assert target.load_tokenizer(cache / "tiny").eos_token == "<|im_end|>"
