@@ -752,6 +752,7 @@ def test_two_processes_converting_into_an_empty_cache_both_get_one_conversion(tm
         assert f"result {cache / 'tiny'}" in out
     said = "".join(out for out, _ in outs)
     assert said.count("converting ") == 1, said  # one conversion; the other process took its result
+    assert f"removing {leftover}, left by a writer that died (pid {dead.pid})" in said, said
     assert sorted(os.listdir(cache)) == ["tiny"]  # the dead writer's folder is gone, no .tmp, no lock file
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(cache / "tiny"))
     import target
