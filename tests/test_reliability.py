@@ -757,3 +757,90 @@ def test_two_processes_converting_into_an_empty_cache_both_get_one_conversion(tm
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(cache / "tiny"))
     import target
     assert target.load_tokenizer(cache / "tiny").eos_token == "<|im_end|>"
+
+
+# -----------------------------------------------------------------------------
+# preemption: SIGTERM to the job, or to one rank, stops every rank after the same step, with a checkpoint there
+
+PREEMPT = ("--max_steps=16", "--ckpt_every=1000", "--target_ranks=1", "--drafter_ranks=2")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_target, convs, tmp_path_factory):
+    """The run a stopped and resumed one must equal: 1 target + 2 drafter ranks, 16 steps, fp32."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    p, _ = run_train(tiny_target, convs, out, 3, *PREEMPT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return out / "r" / "ckpt-0000016"
+
+
+def _sigterm_at_step(tiny_target, convs, out, k, who):
+    """Start the PREEMPT job, SIGTERM `who` ("launcher" or a rank) once step k is logged -> (CompletedProcess-like
+    (returncode, stdout, stderr), seconds from the signal to the launcher's exit)."""
+    p = run_train(tiny_target, convs, out, 3, *PREEMPT, wait=False)
+    try:
+        metrics, t0 = out / "r" / "metrics.jsonl", time.time()
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= k):
+            assert p.poll() is None, p.communicate()[1][-3000:]
+            assert time.time() - t0 < 120, "the job never reached the step"
+            time.sleep(0.02)
+        pid = p.pid if who == "launcher" else rank_pid(str(out), who)
+        os.kill(pid, signal.SIGTERM)
+        t_signal = time.time()
+        stdout, stderr = p.communicate(timeout=120)
+        grace = time.time() - t_signal
+        assert procs_with(str(out)) == [], "orphan processes"
+        return p.returncode, stdout, stderr, grace
+    finally:  # never leave a failed test's job running
+        for q in procs_with(str(out)):
+            os.kill(q, signal.SIGKILL)
+
+
+def _stop_step(stdout, stderr, ranks=(0, 1, 2)):
+    """The step every rank says it stopped after (all the same)."""
+    import re
+    said = {int(r): int(s) for r, s in re.findall(r"rank (\d) \(\w+\): stopped after step (\d+)", stdout)}
+    assert sorted(said) == list(ranks), stdout[-3000:] + stderr[-3000:]
+    assert len(set(said.values())) == 1, said
+    return said[1]
+
+
+def _same_state(a, b):
+    """Two checkpoints hold the same drafter weights (bytes), fp32 masters and AdamW state, exactly."""
+    assert (Path(a) / "model.safetensors").read_bytes() == (Path(b) / "model.safetensors").read_bytes()
+    a, b = checkpoint.load_train_state(a), checkpoint.load_train_state(b)
+    assert a["step"] == b["step"]
+    assert all(torch.equal(x, y) for x, y in zip(a["masters"], b["masters"], strict=True))
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sorted(sa) == sorted(sb) and len(sa) == len(a["masters"])
+    for i in sa:
+        assert sorted(sa[i]) == sorted(sb[i]) and all(torch.equal(sa[i][k], sb[i][k]) for k in sa[i]), i
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+
+
+@pytest.mark.parametrize("who", ["launcher", 2])
+def test_sigterm_checkpoints_at_the_next_step_and_resume_is_exact(tiny_target, convs, tmp_path, uninterrupted, who):
+    """kill -TERM of torchrun (it forwards the signal to every rank) or of drafter rank 2 alone (not the leader: its
+    request reaches rank 1 through the statistics' all-reduce, the target rank through the store), once step 3 of
+    16 is logged: every rank stops after the same step S, the leader writes ckpt-S there, all exit within the grace
+    period, and --resume=auto then ends with the weights, masters and AdamW state of the uninterrupted run, exactly."""
+    out = tmp_path / "stopped"
+    code, stdout, stderr, grace = _sigterm_at_step(tiny_target, convs, out, 3, who)
+    S = _stop_step(stdout, stderr)
+    print(f"SIGTERM to the {'launcher' if who == 'launcher' else f'rank {who}'} after step 3: stopped after step "
+          f"{S}, the launcher exited {grace:.1f} s after the signal")
+    assert 3 < S < 16
+    assert grace < 25, grace  # ranks.stop_grace(): torchrun's shutdown timeout 30 s less 5
+    if who == "launcher":  # the ranks exit 0; torchrun itself reports the signal it got
+        assert "SignalException" in stderr and "FAILED" not in stdout + stderr, stderr[-3000:]
+    else:
+        assert code == 0, stderr[-3000:]
+    assert f"rank 1 (drafter): stopped after step {S} for " in stdout and "--resume=auto" in stdout
+    run = out / "r"
+    assert checkpoint.list_ckpts(run) == [f"ckpt-{S:07d}"] and not (run / "done.json").exists()
+    assert checkpoint.load_train_state(run / f"ckpt-{S:07d}")["step"] == S
+
+    p, _ = run_train(tiny_target, convs, out, 3, *PREEMPT, "--resume=auto")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"resuming at step {S}" in p.stdout and "WARNING resume" not in p.stdout
+    _same_state(run / "ckpt-0000016", uninterrupted)
