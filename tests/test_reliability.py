@@ -762,16 +762,16 @@ def test_two_processes_converting_into_an_empty_cache_both_get_one_conversion(tm
 # -----------------------------------------------------------------------------
 # preemption: SIGTERM to the job, or to one rank, stops every rank after the same step, with a checkpoint there
 
-PREEMPT = ("--max_steps=16", "--ckpt_every=1000", "--target_ranks=1", "--drafter_ranks=2")
+PREEMPT = ("--max_steps=12", "--ckpt_every=1000", "--target_ranks=1", "--drafter_ranks=2")
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_target, convs, tmp_path_factory):
-    """The run a stopped and resumed one must equal: 1 target + 2 drafter ranks, 16 steps, fp32."""
+    """The run a stopped and resumed one must equal: 1 target + 2 drafter ranks, 12 steps, fp32."""
     out = tmp_path_factory.mktemp("uninterrupted")
     p, _ = run_train(tiny_target, convs, out, 3, *PREEMPT)
     assert p.returncode == 0, p.stderr[-3000:]
-    return out / "r" / "ckpt-0000016"
+    return out / "r" / "ckpt-0000012"
 
 
 def _sigterm_at_step(tiny_target, convs, out, k, who):
@@ -818,29 +818,45 @@ def _same_state(a, b):
     assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
 
 
-@pytest.mark.parametrize("who", ["launcher", 2])
-def test_sigterm_checkpoints_at_the_next_step_and_resume_is_exact(tiny_target, convs, tmp_path, uninterrupted, who):
-    """kill -TERM of torchrun (it forwards the signal to every rank) or of drafter rank 2 alone (not the leader: its
-    request reaches rank 1 through the statistics' all-reduce, the target rank through the store), once step 3 of
-    16 is logged: every rank stops after the same step S, the leader writes ckpt-S there, all exit within the grace
-    period, and --resume=auto then ends with the weights, masters and AdamW state of the uninterrupted run, exactly."""
+def test_sigterm_to_the_launcher_checkpoints_at_the_next_step_and_resume_is_exact(tiny_target, convs, tmp_path,
+                                                                                 uninterrupted):
+    """kill -TERM of torchrun once step 3 of 12 is logged: it forwards the signal to every rank; every rank stops
+    after the same step S (the next boundary), the leader writes ckpt-S there, all exit 0 within the grace period
+    (torchrun itself reports the signal it got), and --resume=auto then ends with the weights, fp32 masters and
+    AdamW state of the uninterrupted run, exactly."""
     out = tmp_path / "stopped"
-    code, stdout, stderr, grace = _sigterm_at_step(tiny_target, convs, out, 3, who)
+    code, stdout, stderr, grace = _sigterm_at_step(tiny_target, convs, out, 3, "launcher")
     S = _stop_step(stdout, stderr)
-    print(f"SIGTERM to the {'launcher' if who == 'launcher' else f'rank {who}'} after step 3: stopped after step "
-          f"{S}, the launcher exited {grace:.1f} s after the signal")
-    assert 3 < S < 16
-    assert grace < 25, grace  # ranks.stop_grace(): torchrun's shutdown timeout 30 s less 5
-    if who == "launcher":  # the ranks exit 0; torchrun itself reports the signal it got
-        assert "SignalException" in stderr and "FAILED" not in stdout + stderr, stderr[-3000:]
-    else:
-        assert code == 0, stderr[-3000:]
-    assert f"rank 1 (drafter): stopped after step {S} for " in stdout and "--resume=auto" in stdout
+    print(f"\nSIGTERM to the launcher after step 3: every rank stopped after step {S}; the launcher exited "
+          f"{grace:.1f} s after the signal")
+    assert 3 < S < 12 and grace < 25, (S, grace)  # ranks.stop_grace(): torchrun's shutdown timeout, 30 s, less 5
+    assert code != 0 and "SignalException" in stderr and "FAILED" not in stdout + stderr, stderr[-3000:]
+    assert f"rank 1 (drafter): stopped after step {S} for SIGTERM " in stdout
+    assert f"checkpoint {out / 'r' / f'ckpt-{S:07d}'} written: continue with --resume=auto" in stdout
     run = out / "r"
     assert checkpoint.list_ckpts(run) == [f"ckpt-{S:07d}"] and not (run / "done.json").exists()
     assert checkpoint.load_train_state(run / f"ckpt-{S:07d}")["step"] == S
+    assert [r["step"] for r in records(out)] == list(range(1, S + 1))
 
     p, _ = run_train(tiny_target, convs, out, 3, *PREEMPT, "--resume=auto")
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"resuming at step {S}" in p.stdout and "WARNING resume" not in p.stdout
-    _same_state(run / "ckpt-0000016", uninterrupted)
+    _same_state(run / "ckpt-0000012", uninterrupted)
+
+
+@pytest.mark.parametrize("rank,role", [(2, "drafter"), (0, "target")])
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tiny_target, convs, tmp_path, rank, role):
+    """kill -TERM of one rank once step 3 is logged: drafter rank 2 (not the leader: its request reaches rank 1
+    through the statistics' all-reduce, the target rank through the store) or target rank 0 (its request rides its
+    next header to the drafters). Every rank stops after the same step S, ckpt-S is written, the job exits 0 within
+    the grace period."""
+    out = tmp_path / "stopped"
+    code, stdout, stderr, grace = _sigterm_at_step(tiny_target, convs, out, 3, rank)
+    S = _stop_step(stdout, stderr)
+    print(f"\nSIGTERM to rank {rank} ({role}) after step 3: every rank stopped after step {S}; the job exited "
+          f"{grace:.1f} s after the signal")
+    assert code == 0 and 3 < S < 12 and grace < 25, (code, S, grace, stderr[-3000:])
+    assert f"rank {rank} ({role}): stopped after step {S} for SIGTERM " in stdout
+    if role == "target":
+        assert "for a stop asked by rank 0 (target)" in stdout
+    assert checkpoint.list_ckpts(out / "r") == [f"ckpt-{S:07d}"]
