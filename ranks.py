@@ -1,5 +1,6 @@
 """Everything that knows about ranks: roles and process groups (`assign_roles`, `setup_dist` -> a frozen
-`Dist`), failure notes for torchrun's summary, the placement table and the memory plan per GPU, and the static
+`Dist`), failure notes for torchrun's summary, the stop every rank agrees on after a SIGTERM (preemption:
+`stop_agreed`, `StopWatch`), the placement table and the memory plan per GPU, and the static
 schedule by which hidden states travel from target ranks to drafter ranks: micro-batch m (a global counter) belongs
 to optimizer step m // (drafters * grad_accum), and `route` names the target rank that prefills it and the drafter
 rank that trains on it. Every rank walks its micro-batches in increasing m, so the lowest outstanding transfer can
@@ -7,7 +8,7 @@ always proceed and nobody needs a coordinator. `run_target` is a target rank's w
 end of the transfer, `Colocated` both in one process. The target itself is target.py; how it is sharded, train.py's
 `shard_target`.
 
-Test: python -m pytest -q tests/test_train.py tests/test_multinode.py
+Test: python -m pytest -q tests/test_train.py tests/test_multinode.py; tests/test_reliability.py -k "kill or sigterm"
 """
 
 import ctypes
@@ -222,13 +223,15 @@ def stop_agreed(s, d, done, total):
     return stop
 
 
-def stop_job(rank, role, done, ckpt):
-    """Say why this rank ends, then exit 0 without waiting in gloo/NCCL (sends to the stopped ranks stay pending)."""
+def stop_job(rank, role, done, ckpt=None, leader=False):
+    """Say why this rank ends (the leader: from which checkpoint to go on), then exit 0 without waiting in gloo/NCCL
+    (sends to the stopped ranks stay pending)."""
     why = (f"SIGTERM {time.time() - _stop['signal_at']:.1f} s ago (grace {stop_grace()} s)" if "signal_at" in _stop
            else f"a stop asked by {_stop['by']}" if "by" in _stop else "a stop asked by another rank")
     line = f"rank {rank} ({role}): stopped after step {done} for {why}"
-    if ckpt:
-        line += f"; checkpoint {ckpt} written: continue with --resume=auto"
+    if leader:
+        line += (f"; newest checkpoint {ckpt}: continue with --resume=auto" if ckpt else
+                 "; no checkpoint (every step so far was non-finite)")
     print(line, flush=True)
     sys.stderr.flush()
     os._exit(0)
@@ -254,7 +257,9 @@ class StopWatch:
             return self.published()
         flag = torch.tensor([float(self.published())], device=self.d.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.d.target_mesh.get_group())
-        return flag.item() > 0
+        if flag.item() > 0 and self.step is None:  # another target rank saw it first
+            self.step = int(self.store.get(STOP_KEY))
+        return self.step is not None
 
     def wait(self, works):
         """Wait for these sends, unless the drafters stop first (they would never receive them). -> sent? NCCL: polled.
@@ -262,7 +267,7 @@ class StopWatch:
         while self.d.device.type == "cuda" and not all(w.is_completed() for w in works):
             if self.published():
                 return False
-            time.sleep(0.001)
+            time.sleep(0.0005)
         try:
             for w in works:
                 w.wait()

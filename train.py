@@ -273,8 +273,7 @@ def train_drafter(cfg, d, side, run):
         if run.checkpoint_due(step + 1) or (stop and not run.streak):
             run.save(step + 1, side)
         if stop:
-            stop_job(d.rank, role_of(d.rank, d.targets, d.drafters), step + 1,
-                     run.last_good if d.leader else None)
+            stop_job(d.rank, role_of(d.rank, d.targets, d.drafters), step + 1, run.last_good, d.leader)
     run.finish()
 
 

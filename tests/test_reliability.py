@@ -832,7 +832,7 @@ def test_sigterm_to_the_launcher_checkpoints_at_the_next_step_and_resume_is_exac
     assert 3 < S < 12 and grace < 25, (S, grace)  # ranks.stop_grace(): torchrun's shutdown timeout, 30 s, less 5
     assert code != 0 and "SignalException" in stderr and "FAILED" not in stdout + stderr, stderr[-3000:]
     assert f"rank 1 (drafter): stopped after step {S} for SIGTERM " in stdout
-    assert f"checkpoint {out / 'r' / f'ckpt-{S:07d}'} written: continue with --resume=auto" in stdout
+    assert f"newest checkpoint {out / 'r' / f'ckpt-{S:07d}'}: continue with --resume=auto" in stdout
     run = out / "r"
     assert checkpoint.list_ckpts(run) == [f"ckpt-{S:07d}"] and not (run / "done.json").exists()
     assert checkpoint.load_train_state(run / f"ckpt-{S:07d}")["step"] == S
