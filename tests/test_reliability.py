@@ -762,22 +762,23 @@ def test_two_processes_converting_into_an_empty_cache_both_get_one_conversion(tm
 # -----------------------------------------------------------------------------
 # preemption: SIGTERM to the job, or to one rank, stops every rank after the same step, with a checkpoint there
 
-PREEMPT = ("--max_steps=12", "--ckpt_every=1000", "--target_ranks=1", "--drafter_ranks=2")
+PREEMPT = ("--max_steps=16", "--ckpt_every=1000")  # a target rank's request arrives up to ~7 steps later
+ONE_TWO = ("--target_ranks=1", "--drafter_ranks=2")
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_target, convs, tmp_path_factory):
-    """The run a stopped and resumed one must equal: 1 target + 2 drafter ranks, 12 steps, fp32."""
+    """The run a stopped and resumed one must equal: 1 target + 2 drafter ranks, 16 steps, fp32."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    p, _ = run_train(tiny_target, convs, out, 3, *PREEMPT)
+    p, _ = run_train(tiny_target, convs, out, 3, *PREEMPT, *ONE_TWO)
     assert p.returncode == 0, p.stderr[-3000:]
-    return out / "r" / "ckpt-0000012"
+    return out / "r" / "ckpt-0000016"
 
 
-def _sigterm_at_step(tiny_target, convs, out, k, who):
-    """Start the PREEMPT job, SIGTERM `who` ("launcher" or a rank) once step k is logged -> (CompletedProcess-like
-    (returncode, stdout, stderr), seconds from the signal to the launcher's exit)."""
-    p = run_train(tiny_target, convs, out, 3, *PREEMPT, wait=False)
+def _sigterm_at_step(tiny_target, convs, out, k, who, topology):
+    """Start the PREEMPT job, SIGTERM `who` ("launcher" or a rank) once step k is logged -> (returncode, stdout,
+    stderr, seconds from the signal to the launcher's exit)."""
+    p = run_train(tiny_target, convs, out, 3, *PREEMPT, *topology, wait=False)
     try:
         metrics, t0 = out / "r" / "metrics.jsonl", time.time()
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= k):
@@ -820,16 +821,16 @@ def _same_state(a, b):
 
 def test_sigterm_to_the_launcher_checkpoints_at_the_next_step_and_resume_is_exact(tiny_target, convs, tmp_path,
                                                                                  uninterrupted):
-    """kill -TERM of torchrun once step 3 of 12 is logged: it forwards the signal to every rank; every rank stops
+    """kill -TERM of torchrun once step 3 of 16 is logged: it forwards the signal to every rank; every rank stops
     after the same step S (the next boundary), the leader writes ckpt-S there, all exit 0 within the grace period
     (torchrun itself reports the signal it got), and --resume=auto then ends with the weights, fp32 masters and
     AdamW state of the uninterrupted run, exactly."""
     out = tmp_path / "stopped"
-    code, stdout, stderr, grace = _sigterm_at_step(tiny_target, convs, out, 3, "launcher")
+    code, stdout, stderr, grace = _sigterm_at_step(tiny_target, convs, out, 3, "launcher", ONE_TWO)
     S = _stop_step(stdout, stderr)
     print(f"\nSIGTERM to the launcher after step 3: every rank stopped after step {S}; the launcher exited "
           f"{grace:.1f} s after the signal")
-    assert 3 < S < 12 and grace < 25, (S, grace)  # ranks.stop_grace(): torchrun's shutdown timeout, 30 s, less 5
+    assert 3 < S < 16 and grace < 25, (S, grace)  # ranks.stop_grace(): torchrun's shutdown timeout, 30 s, less 5
     assert code != 0 and "SignalException" in stderr and "FAILED" not in stdout + stderr, stderr[-3000:]
     assert f"rank 1 (drafter): stopped after step {S} for SIGTERM " in stdout
     assert f"newest checkpoint {out / 'r' / f'ckpt-{S:07d}'}: continue with --resume=auto" in stdout
@@ -838,24 +839,25 @@ def test_sigterm_to_the_launcher_checkpoints_at_the_next_step_and_resume_is_exac
     assert checkpoint.load_train_state(run / f"ckpt-{S:07d}")["step"] == S
     assert [r["step"] for r in records(out)] == list(range(1, S + 1))
 
-    p, _ = run_train(tiny_target, convs, out, 3, *PREEMPT, "--resume=auto")
+    p, _ = run_train(tiny_target, convs, out, 3, *PREEMPT, *ONE_TWO, "--resume=auto")
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"resuming at step {S}" in p.stdout and "WARNING resume" not in p.stdout
-    _same_state(run / "ckpt-0000012", uninterrupted)
+    _same_state(run / "ckpt-0000016", uninterrupted)
 
 
-@pytest.mark.parametrize("rank,role", [(2, "drafter"), (0, "target")])
-def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tiny_target, convs, tmp_path, rank, role):
-    """kill -TERM of one rank once step 3 is logged: drafter rank 2 (not the leader: its request reaches rank 1
-    through the statistics' all-reduce, the target rank through the store) or target rank 0 (its request rides its
-    next header to the drafters). Every rank stops after the same step S, ckpt-S is written, the job exits 0 within
-    the grace period."""
+@pytest.mark.parametrize("rank,role,topology", [(2, "drafter", ONE_TWO), (0, "target", SPLIT)])
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tiny_target, convs, tmp_path, rank, role, topology):
+    """kill -TERM of one rank once step 3 is logged. Drafter rank 2 of 1 target + 2 drafters (not the leader: its
+    request reaches rank 1 through the statistics' all-reduce, the target rank through the store), or target rank 0
+    of 2 FSDP targets + 1 drafter (its request rides its next header to the drafter; rank 1 learns the stop from rank
+    0 or the store, before the same forward). Every rank stops after the same step S, ckpt-S is written, the job
+    exits 0 within the grace period."""
     out = tmp_path / "stopped"
-    code, stdout, stderr, grace = _sigterm_at_step(tiny_target, convs, out, 3, rank)
+    code, stdout, stderr, grace = _sigterm_at_step(tiny_target, convs, out, 3, rank, topology)
     S = _stop_step(stdout, stderr)
     print(f"\nSIGTERM to rank {rank} ({role}) after step 3: every rank stopped after step {S}; the job exited "
           f"{grace:.1f} s after the signal")
-    assert code == 0 and 3 < S < 12 and grace < 25, (code, S, grace, stderr[-3000:])
+    assert code == 0 and 3 < S < 16 and grace < 25, (code, S, grace, stderr[-3000:])
     assert f"rank {rank} ({role}): stopped after step {S} for SIGTERM " in stdout
     if role == "target":
         assert "for a stop asked by rank 0 (target)" in stdout
