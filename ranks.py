@@ -146,7 +146,7 @@ def report_failure(msg, when=None):
 def watch_for_death(rank, role):
     """Under torchrun, make every end of this rank show in the launcher's summary with its rank and role: a note in the
     error file, stamped with the launcher's start time, names a rank killed by a signal (it prints nothing); a Python
-    failure, or a SIGTERM that does not end in a clean stop (stop_on_sigterm), rewrites it, stamped later, so the
+    failure, or a SIGTERM that does not end in a clean stop (_on_sigterm), rewrites it, stamped later, so the
     first failure is the one named. And the kernel SIGKILLs this rank when its launcher dies (torchrun gives each
     worker its own session)."""
     if not sys.platform.startswith("linux"):

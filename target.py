@@ -73,7 +73,7 @@ def cache_lock(out):
         _remove_dead_writers(out)
         yield
     finally:
-        lock.unlink()
+        lock.unlink()  # while held: a waiter on this file then sees it gone and locks a new one
         os.close(fd)
 
 
