@@ -1,6 +1,6 @@
 """Everything that knows about ranks: roles and process groups (`assign_roles`, `setup_dist` -> a frozen
 `Dist`), failure notes for torchrun's summary, the stop every rank agrees on after a SIGTERM (preemption:
-`stop_agreed`, `StopWatch`), the placement table and the memory plan per GPU, and the static
+`stop_agreed`, `watch_for_stop`), the placement table and the memory plan per GPU, and the static
 schedule by which hidden states travel from target ranks to drafter ranks: micro-batch m (a global counter) belongs
 to optimizer step m // (drafters * grad_accum), and `route` names the target rank that prefills it and the drafter
 rank that trains on it. Every rank walks its micro-batches in increasing m, so the lowest outstanding transfer can
@@ -166,8 +166,8 @@ def watch_for_death(rank, role):
 # A scheduler ends a job with SIGTERM, then SIGKILL after a grace period. torchrun's launcher forwards a SIGTERM to
 # every rank; a single rank may also get one. Either way the drafter ranks stop together after the step in progress:
 # a request rides the statistics' all-reduce (reduce_stats), and a target rank's its next header to its drafters
-# (run_target, Receiver). The leader publishes the step in the job's store, where target ranks look between
-# forwards, writes a checkpoint there, and every rank exits 0; --resume=auto continues from it as if never stopped.
+# (run_target, Receiver). The leader publishes the step in the job's store, which a thread of every target rank
+# watches, writes a checkpoint there, and every rank exits 0; --resume=auto continues from it as if never stopped.
 # The launcher SIGKILLs ranks still alive TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30) s after it forwarded the signal: a
 # rank that has not stopped STOP_MARGIN s before then exits as on a failure, as does one whose peers are gone (a
 # SIGTERM after a failure elsewhere: the job ends as it did before, naming the failed rank).
@@ -237,49 +237,22 @@ def stop_job(rank, role, done, ckpt=None, leader=False):
     os._exit(0)
 
 
-class StopWatch:
-    """A target rank's view of the drafters' stop: STOP_KEY in the store, looked up at most every 50 ms."""
+def watch_for_stop(d):
+    """Target ranks: a thread that ends this process, wherever its main thread waits (a send the stopped drafters
+    will never receive, a collective), once the drafters published their stop. -> the store, or None alone."""
+    if d.world == 1:
+        return None
+    store = dist.distributed_c10d._get_default_store()  # TCPStore: its client serializes calls, threads may share it
 
-    def __init__(self, d):
-        self.d, self.step, self.t = d, None, 0.0
-        self.store = dist.distributed_c10d._get_default_store() if d.world > 1 else None
-
-    def published(self):
-        if self.step is None and self.store and time.monotonic() - self.t > 0.05:
-            self.t = time.monotonic()
-            if self.store.check([STOP_KEY]):
-                self.step = int(self.store.get(STOP_KEY))
-        return self.step is not None
-
-    def agreed(self):
-        """Every target rank of this node alike (their all-gathers are collective): stop before the next forward?"""
-        if self.d.target_mesh is None or self.d.target_mesh.size() == 1:
-            return self.published()
-        flag = torch.tensor([float(self.published())], device=self.d.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.d.target_mesh.get_group())
-        if flag.item() > 0 and self.step is None:  # another target rank saw it first
-            self.step = int(self.store.get(STOP_KEY))
-        return self.step is not None
-
-    def wait(self, works):
-        """Wait for these sends, unless the drafters stop first (they would never receive them). -> sent? NCCL: polled.
-        gloo completes a send only inside wait(), which fails once the receiver has exited: a stop if published."""
-        while self.d.device.type == "cuda" and not all(w.is_completed() for w in works):
-            if self.published():
-                return False
-            time.sleep(0.0005)
+    def watch():
         try:
-            for w in works:
-                w.wait()
-        except Exception:
-            self.t = 0.0  # look now
-            if self.published():
-                return False
-            raise
-        return True
-
-    def exit(self):
-        stop_job(self.d.rank, "target", self.step, None)
+            while not store.check([STOP_KEY]):
+                time.sleep(0.05)
+        except Exception:  # the launcher and its store are gone: the job is over anyway
+            return
+        stop_job(d.rank, "target", int(store.get(STOP_KEY)))
+    threading.Thread(target=watch, daemon=True).start()
+    return store
 
 
 def placement_table(world, local_world, cfg):
@@ -450,15 +423,24 @@ def batch_at(batcher, m):
 def run_target(cfg, d, batcher, capture, start_step, total_steps):
     """Target rank: prefill this node's micro-batches k = t, t + T, ... (T targets per node) from start_step to
     total_steps, send each to its drafter, at most `prefetch` in flight. The node's target ranks run the same number
-    of forwards (FSDP all-gathers are collective): one with no micro-batch left in the last round runs a dummy."""
+    of forwards (FSDP all-gathers are collective): one with no micro-batch left in the last round runs a dummy.
+    Once the drafters stop (watch_for_stop), this process ends; a peer that ended first is no failure."""
+    store = watch_for_stop(d)
+    try:
+        _feed(cfg, d, batcher, capture, start_step, total_steps)
+    except Exception:
+        if store is not None and store.check([STOP_KEY]):
+            stop_job(d.rank, "target", int(store.get(STOP_KEY)))
+        raise
+
+
+def _feed(cfg, d, batcher, capture, start_step, total_steps):
     nn, Dr, A, T = d.nnodes, len(d.drafters), cfg.grad_accum, len(d.targets) // d.nnodes
     n, t = divmod(d.targets.index(d.rank), T)
     per_node = per_step(Dr // nn, A)  # micro-batches per optimizer step on one node
     k0, k1 = start_step * per_node, total_steps * per_node
-    inflight, stop = deque(), StopWatch(d)
+    inflight = deque()
     for r in range(math.ceil((k1 - k0) / T)):
-        if stop.agreed():  # the drafters stopped: what is in flight, they will never receive
-            stop.exit()
         k = k0 + r * T + t
         if k >= k1:
             capture(torch.zeros(1, 8, dtype=torch.long, device=d.device))
@@ -478,11 +460,12 @@ def run_target(cfg, d, batcher, capture, start_step, total_steps):
         header[5:5 + ids.shape[0]] = batch["lengths"]
         tensors = [x.to(d.device) for x in (header, ids, batch["loss_mask"])] + [hidden]
         inflight.append((tensors, [dist.isend(x, dst, group=d.transport) for x in tensors]))
-        while len(inflight) > cfg.prefetch and stop.wait(inflight[0][1]):
-            inflight.popleft()
+        while len(inflight) > cfg.prefetch:
+            for w in inflight.popleft()[1]:
+                w.wait()
     while inflight:
-        if not stop.wait(inflight.popleft()[1]):
-            stop.exit()
+        for w in inflight.popleft()[1]:
+            w.wait()
 
 
 class Receiver:
