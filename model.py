@@ -419,6 +419,9 @@ class DFlashDrafter(nn.Module):
         every offset at once; with one, left to right from first (the anchor), each drafted token
         the next one's previous, as DSpark and Domino draft. embed_VD: the target's embedding
         table (a Domino head reads the drafted tokens through it)."""
+        if self.cfg.domino_shift_label or self.cfg.domino_prefix_len:  # read shifted otherwise
+            raise NotImplementedError("drafting with a Domino head in the shift_label / "
+                                      "pure_draft_prefix_len 1 layout is not built yet")
         if self.cfg.domino_gru_dim:
             toks, state = [first_B], None
             for k in range(logits_BKV.shape[1]):

@@ -1,5 +1,6 @@
 """Everything that knows about ranks: roles and process groups (`assign_roles`, `setup_dist` -> a frozen
-`Dist`), failure notes for torchrun's summary, the placement table and the memory plan per GPU, and the static
+`Dist`), failure notes for torchrun's summary, the stop every rank agrees on after a SIGTERM (preemption:
+`stop_agreed`, `watch_for_stop`), the placement table and the memory plan per GPU, and the static
 schedule by which hidden states travel from target ranks to drafter ranks: micro-batch m (a global counter) belongs
 to optimizer step m // (drafters * grad_accum), and `route` names the target rank that prefills it and the drafter
 rank that trains on it. Every rank walks its micro-batches in increasing m, so the lowest outstanding transfer can
@@ -7,7 +8,7 @@ always proceed and nobody needs a coordinator. `run_target` is a target rank's w
 end of the transfer, `Colocated` both in one process. The target itself is target.py; how it is sharded, train.py's
 `shard_target`.
 
-Test: python -m pytest -q tests/test_train.py tests/test_multinode.py
+Test: python -m pytest -q tests/test_train.py tests/test_multinode.py; tests/test_reliability.py -k "kill or sigterm"
 """
 
 import ctypes
@@ -17,9 +18,11 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from collections import deque, namedtuple
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -109,7 +112,9 @@ def teardown_dist(d):
 
 
 def reduce_stats(s, d):
-    """Sum a dict of float64 tensors over the drafter ranks, in one all-reduce."""
+    """Sum a dict of float64 tensors over the drafter ranks, in one all-reduce, with this rank's stop request beside
+    them ("stop": how many drafter ranks know of one; stop_agreed takes it out)."""
+    s = dict(s, stop=torch.tensor(float(stop_requested()), dtype=torch.float64))
     if len(d.drafters) == 1:
         return s
     flat = torch.cat([v.reshape(-1) for v in s.values()]).to(d.device)
@@ -143,22 +148,113 @@ def report_failure(msg, when=None):
 def watch_for_death(rank, role):
     """Under torchrun, make every end of this rank show in the launcher's summary with its rank and role: a note in the
     error file, stamped with the launcher's start time, names a rank killed by a signal (it prints nothing); a Python
-    failure or a SIGTERM after one elsewhere rewrites it, stamped later, so the first failure is the one named. And
-    the kernel SIGKILLs this rank when its launcher dies (torchrun gives each worker its own session)."""
-    if torchrun_env().run_id is None or not sys.platform.startswith("linux"):
+    failure, or a SIGTERM that does not end in a clean stop (_on_sigterm), rewrites it, stamped later, so the
+    first failure is the one named. And the kernel SIGKILLs this rank when its launcher dies (torchrun gives each
+    worker its own session)."""
+    if not sys.platform.startswith("linux"):
+        return
+    signal.signal(signal.SIGTERM, partial(_on_sigterm, rank, role))
+    if torchrun_env().run_id is None:
         return
     report_failure(f"rank {rank} ({role}) died without a Python error: killed by a signal (kill -9, the OOM "
                    f"killer) or a crash in native code (note written by train.py at start-up)", launcher_start())
-
-    def stopped(signum, frame):
-        report_failure(f"rank {rank} ({role}) was stopped by the launcher (SIGTERM) after a failure elsewhere")
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-    signal.signal(signal.SIGTERM, stopped)
     parent = os.getppid()
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the launcher died before the request took effect
         os._exit(1)
+
+
+# ----------------------------------------------------------------------------- a stop at a step boundary (preemption)
+# A scheduler ends a job with SIGTERM, then SIGKILL after a grace period. torchrun's launcher forwards a SIGTERM to
+# every rank; a single rank may also get one. Either way the drafter ranks stop together after the step in progress:
+# a request rides the statistics' all-reduce (reduce_stats), and a target rank's its next header to its drafters
+# (run_target, Receiver). The leader publishes the step in the job's store, which a thread of every target rank
+# watches, writes a checkpoint there, and every rank exits 0; --resume=auto continues from it as if never stopped.
+# The launcher SIGKILLs ranks still alive TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30) s after it forwarded the signal: a
+# rank that has not stopped STOP_MARGIN s before then exits as on a failure, as does one whose peers are gone (a
+# SIGTERM after a failure elsewhere: the job ends as it did before, naming the failed rank).
+STOP_KEY = "dflash/stop_after"  # the job's store: the optimizer step the drafter ranks stopped after
+STOP_MARGIN = 5  # seconds left to the launcher, for its summary
+_stop = {}  # this process's request: {"signal_at": time.time()} and/or {"by": "rank R"}
+
+
+def stop_grace():
+    """Seconds from SIGTERM to this rank's exit, at most (a longer checkpoint write: raise the launcher's
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT, which every rank reads too)."""
+    return max(1, int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")) - STOP_MARGIN)
+
+
+def _on_sigterm(rank, role, signum, frame):
+    """Ask for a stop; if this rank is still alive stop_grace() s later, exit as on a failure. The note in the error
+    file counts only if the rank then fails, and is stamped now: a failure elsewhere stays the root cause."""
+    if "signal_at" in _stop:
+        return
+    _stop["signal_at"] = time.time()
+    grace = stop_grace()
+    report_failure(f"rank {rank} ({role}) got SIGTERM (a scheduler, or the launcher after a failure elsewhere) and "
+                   f"failed before it could stop cleanly, or did not within {grace} s")
+
+    def overdue():
+        print(f"rank {rank} ({role}): no clean stop {grace} s after SIGTERM: exiting as on a failure",
+              file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGTERM)
+    timer = threading.Timer(grace, overdue)
+    timer.daemon = True  # a run that ends on its own meanwhile ends as usual
+    timer.start()
+
+
+def stop_requested():
+    return bool(_stop)
+
+
+def note_stop_request(by):
+    """A stop asked by another rank (a target rank's header said so)."""
+    _stop.setdefault("by", by)
+
+
+def stop_agreed(s, d, done, total):
+    """After optimizer step `done` of `total`: take the all-reduced request out of the statistics `s`. -> True when
+    the drafter ranks stop here (every one sees the same sum); the leader then publishes it to the target ranks."""
+    stop = s.pop("stop").item() > 0 and done < total
+    if stop and d.world > 1:
+        store = dist.distributed_c10d._get_default_store()
+        if d.leader:
+            store.set(STOP_KEY, str(done))
+        else:  # no drafter exits before a target rank that loses it can read why
+            store.wait([STOP_KEY])
+    return stop
+
+
+def stop_job(rank, role, done, ckpt=None, leader=False):
+    """Say why this rank ends (the leader: from which checkpoint to go on), then exit 0 without waiting in gloo/NCCL
+    (sends to the stopped ranks stay pending)."""
+    why = (f"SIGTERM {time.time() - _stop['signal_at']:.1f} s ago (grace {stop_grace()} s)" if "signal_at" in _stop
+           else f"a stop asked by {_stop['by']}" if "by" in _stop else "a stop asked by another rank")
+    line = f"rank {rank} ({role}): stopped after step {done} for {why}"
+    if leader:
+        line += (f"; newest checkpoint {ckpt}: continue with --resume=auto" if ckpt else
+                 "; no checkpoint (every step so far was non-finite)")
+    print(line, flush=True)
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def watch_for_stop(d):
+    """Target ranks: a thread that ends this process, wherever its main thread waits (a send the stopped drafters
+    will never receive, a collective), once the drafters published their stop. -> the store, or None alone."""
+    if d.world == 1:
+        return None
+    store = dist.distributed_c10d._get_default_store()  # TCPStore: its client serializes calls, threads may share it
+
+    def watch():
+        try:
+            while not store.check([STOP_KEY]):
+                time.sleep(0.05)
+        except Exception:  # the launcher and its store are gone: the job is over anyway
+            return
+        stop_job(d.rank, "target", int(store.get(STOP_KEY)))
+    threading.Thread(target=watch, daemon=True).start()
+    return store
 
 
 def placement_table(world, local_world, cfg):
@@ -320,7 +416,18 @@ def batch_at(batcher, m):
 def run_target(cfg, d, batcher, capture, start_step, total_steps):
     """Target rank: prefill this node's micro-batches k = t, t + T, ... (T targets per node) from start_step to
     total_steps, send each to its drafter, at most `prefetch` in flight. The node's target ranks run the same number
-    of forwards (FSDP all-gathers are collective): one with no micro-batch left in the last round runs a dummy."""
+    of forwards (FSDP all-gathers are collective): one with no micro-batch left in the last round runs a dummy.
+    Once the drafters stop (watch_for_stop), this process ends; a peer that ended first is no failure."""
+    store = watch_for_stop(d)
+    try:
+        _feed(cfg, d, batcher, capture, start_step, total_steps)
+    except Exception:
+        if store is not None and store.check([STOP_KEY]):
+            stop_job(d.rank, "target", int(store.get(STOP_KEY)))
+        raise
+
+
+def _feed(cfg, d, batcher, capture, start_step, total_steps):
     nn, Dr, A, T = d.nnodes, len(d.drafters), cfg.grad_accum, len(d.targets) // d.nnodes
     n, t = divmod(d.targets.index(d.rank), T)
     per_node = per_step(Dr // nn, A)  # micro-batches per optimizer step on one node
@@ -339,10 +446,11 @@ def run_target(cfg, d, batcher, capture, start_step, total_steps):
         hidden = capture(ids.to(d.device))
         if d.device.type == "cuda":  # the compute stream only: a device-wide sync would also wait for the
             torch.cuda.current_stream().synchronize()  # previous sends, which wait for the drafter
-        # a fixed-size int64 header, so the receiver can allocate: [m, B, S, forward microseconds, lengths x B]
-        header = torch.zeros(4 + cfg.batch_size, dtype=torch.long)
-        header[:4] = torch.tensor([m, *ids.shape, int((time.perf_counter() - t0) * 1e6)])
-        header[4:4 + ids.shape[0]] = batch["lengths"]
+        # a fixed-size int64 header, so the receiver can allocate: [m, B, S, forward microseconds, a stop
+        # requested here (0/1), lengths x B]
+        header = torch.zeros(5 + cfg.batch_size, dtype=torch.long)
+        header[:5] = torch.tensor([m, *ids.shape, int((time.perf_counter() - t0) * 1e6), stop_requested()])
+        header[5:5 + ids.shape[0]] = batch["lengths"]
         tensors = [x.to(d.device) for x in (header, ids, batch["loss_mask"])] + [hidden]
         inflight.append((tensors, [dist.isend(x, dst, group=d.transport) for x in tensors]))
         while len(inflight) > cfg.prefetch:
@@ -365,7 +473,7 @@ class Receiver:
     def _post_next(self):
         m = next(self.todo, None)
         if m is not None:
-            h = torch.zeros(4 + self.cfg.batch_size, dtype=torch.long, device=self.d.device)
+            h = torch.zeros(5 + self.cfg.batch_size, dtype=torch.long, device=self.d.device)
             src = route(m, self.d.targets, self.d.drafters, self.d.nnodes, self.cfg.grad_accum)[0]
             self.posted = (m, src, h, dist.irecv(h, src, group=self.d.transport))
 
@@ -375,15 +483,17 @@ class Receiver:
             self._post_next()
         (mm, src, h, work), self.posted = self.posted, None
         work.wait()
-        hm, B, S, fwd_us = h[:4].tolist()
+        hm, B, S, fwd_us, stop = h[:5].tolist()
         if not hm == mm == m:
             raise RuntimeError(f"rank {self.d.rank}: got micro-batch {hm} from rank {src}, expected {m}")
+        if stop:
+            note_stop_request(f"rank {src} (target)")
         ids, lm = (torch.empty(B, S, dtype=torch.long, device=self.d.device) for _ in "il")
         hidden = torch.empty(B, S, self.C, dtype=self.dtype, device=self.d.device)
         for w in [dist.irecv(x, src, group=self.d.transport) for x in (ids, lm, hidden)]:
             w.wait()
         self._post_next()
-        return {"input_ids": ids, "loss_mask": lm, "lengths": h[4:4 + B].cpu()}, hidden, fwd_us * 1e-6
+        return {"input_ids": ids, "loss_mask": lm, "lengths": h[5:5 + B].cpu()}, hidden, fwd_us * 1e-6
 
 
 class Colocated:

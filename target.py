@@ -18,10 +18,13 @@ drafter's config.json).
 Test: python -m pytest -q tests/test_train.py -k "capture or fla or fp8"
 """
 
+import fcntl
 import json
 import os
+import shutil
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -35,6 +38,68 @@ def default_cache_dir():
     """Converted targets (and data.py's tokenized data and demo corpus): $DFLASH_CACHE or
     ~/.cache/dflash-trainer."""
     return Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash-trainer"))
+
+
+def aside(out):
+    """Where this process writes `out` before renaming it into place: <out>.tmp<pid>."""
+    return Path(out).with_name(f"{Path(out).name}.tmp{os.getpid()}")
+
+
+@contextmanager
+def cache_lock(out):
+    """Hold the writer's lock of `out`, a file or folder of a cache several processes may share
+    (two demos, two test runs), for the block: an exclusive flock on <out>.lock, waited for. Every
+    write into the cache runs inside one: check that `out` is still missing (a writer that held
+    the lock before may have made it: take theirs), write it at aside(out), rename. A crashed
+    writer's leftovers (<out>.tmp<pid> of a pid gone) are removed first. The lock file goes
+    when the block ends; a waiter that locked the removed file locks the new one instead."""
+    out = Path(out)
+    lock = out.with_name(out.name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process writing {out} (it holds {lock})", flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        try:  # still the file at that path, not one its holder removed as it finished?
+            if os.path.samestat(os.fstat(fd), os.stat(lock)):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        _remove_dead_writers(out)
+        yield
+    finally:
+        lock.unlink()  # while held: a waiter on this file then sees it gone and locks a new one
+        os.close(fd)
+
+
+def _remove_dead_writers(out):
+    """<out>.tmp<pid> of a pid no longer running (or of this process: an earlier failed try) is a
+    crashed write: never finished, never renamed."""
+    for p in out.parent.glob(out.name + ".tmp*"):
+        pid = p.name[len(out.name) + 4:]
+        if pid.isdigit() and _gone(int(pid)):
+            print(f"removing {p}, left by a writer that died (pid {pid})", flush=True)
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+
+
+def _gone(pid):
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process
+        pass
+    return False
 
 
 # ---------------------------------------------------------------------- reading: config, tokenizer
@@ -349,14 +414,21 @@ def smollm2_gguf():
 
 def convert_gguf(gguf_path, out_dir=None):
     """Dequantize a Llama GGUF once into a plain HF folder (fp32 safetensors + tokenizer);
-    default: in the cache."""
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig,
-                              LlamaForCausalLM)
+    default: in the cache, once for all processes (cache_lock)."""
     gguf_path = Path(gguf_path)
     out = Path(out_dir or default_cache_dir() / gguf_path.stem.split(".")[0].lower())
     if (out / "config.json").exists():
         return out
-    print(f"converting {gguf_path} -> {out} (once)")
+    with cache_lock(out):  # another process converting it: wait, then take its folder
+        if not (out / "config.json").exists():
+            _convert(gguf_path, out)
+    return out
+
+
+def _convert(gguf_path, out):
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig,
+                              LlamaForCausalLM)
+    print(f"converting {gguf_path} -> {out} (once)", flush=True)
     src = dict(pretrained_model_name_or_path=gguf_path.parent, gguf_file=gguf_path.name,
                trust_remote_code=False)
     tok = AutoTokenizer.from_pretrained(**src)
@@ -368,8 +440,6 @@ def convert_gguf(gguf_path, out_dir=None):
     _fix_special_tokens(tok, model.config)
     model.config.pad_token_id = model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp := aside(out))
     tok.save_pretrained(tmp)
     os.replace(tmp, out)
-    return out

@@ -40,8 +40,8 @@ from loss import LossBatch, LossOptions, Tables, dflash_loss, final_states, samp
 from model import DFlashDrafter, DrafterConfig, drafter_config_from_target, load_drafter, to_float8
 from ranks import (USABLE, Colocated, Dist, Receiver, assign_roles, drafter_schedule,
                    largest_anchors, memory_check, on_gpu, per_step, placement_table,
-                   reduce_stats, report_failure, role_of, run_target, setup_dist, teardown_dist,
-                   torchrun_env, watch_for_death)
+                   reduce_stats, report_failure, role_of, run_target, setup_dist, stop_agreed,
+                   stop_job, teardown_dist, torchrun_env, watch_for_death)
 from target import (FINAL, default_dtype, frozen_tables, load_for_capture, read_target,
                     target_to_float8)
 
@@ -257,11 +257,12 @@ def train(cfg, d, target_config, tokenizer):
 
 def train_drafter(cfg, d, side, run):
     """The loop: accumulate, all-reduce the statistics, step (or skip a non-finite step), log,
-    checkpoint."""
+    checkpoint; after a SIGTERM to the job, checkpoint and exit (ranks.stop_agreed)."""
     schedule = drafter_schedule(d, cfg.grad_accum, run.start, run.total)
     for step in range(run.start, run.total):
         s, length = accumulate(step, cfg, side, schedule, run.total)
         s = reduce_stats(s, d)
+        stop = stop_agreed(s, d, step + 1, run.total)
         lr = lr_at(cfg, step, run.total)
         t0 = time.perf_counter()
         loss_finite = math.isfinite(s["loss_sum"].item())
@@ -273,8 +274,10 @@ def train_drafter(cfg, d, side, run):
             raise FloatingPointError(f"step {step + 1} left non-finite weights (lr={lr:.3g}). "
                                      f"{run.last_good_note()}")
         run.after_step(step + 1, s, gnorm, lr, applied, length)
-        if run.checkpoint_due(step + 1):
+        if run.checkpoint_due(step + 1) or (stop and not run.streak):
             run.save(step + 1, side)
+        if stop:
+            stop_job(d.rank, role_of(d.rank, d.targets, d.drafters), step + 1, run.last_good, d.leader)
     run.finish()
 
 

@@ -676,3 +676,188 @@ def test_plan_prints_each_roles_memory_and_the_largest_num_anchors_per_length(va
                      ("1x8", r"target_ranks \(2\) \+ drafter_ranks \(1\)")):
         with pytest.raises(SystemExit, match=rf"invalid config:\n  plan='{bad}'.*{why}"):
             train.main(train.Config(**{**valid, "plan": bad, "target": "/nonexistent/model"}))
+
+
+# -----------------------------------------------------------------------------
+# the shared cache: two processes at once, and a crashed writer's leftovers
+
+
+def tiny_gguf(path, V=512, D=64, F=128):
+    """A stand-in for SmolLM2's GGUF that converts in seconds (the real one takes ~1 minute here): its tokenizer
+    cut to the first V tokens and the merges among them, one random fp32 Llama layer of width D."""
+    import gguf
+    import numpy as np
+    import target
+    f = gguf.GGUFReader(target.smollm2_gguf()).fields
+    tokens = f["tokenizer.ggml.tokens"].contents()[:V]
+    merges = [m for m in f["tokenizer.ggml.merges"].contents()
+              if all(p in tokens for p in m.split(" ")) and m.replace(" ", "") in tokens]
+    new = {"llama.block_count": 1, "llama.embedding_length": D, "llama.feed_forward_length": F,
+           "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2, "llama.rope.dimension_count": 16,
+           "llama.vocab_size": V, "general.file_type": 0, "tokenizer.ggml.tokens": tokens,
+           "tokenizer.ggml.merges": merges, "tokenizer.ggml.token_type": f["tokenizer.ggml.token_type"].contents()[:V]}
+    w = gguf.GGUFWriter(str(path), "llama")
+    for k, field in f.items():
+        if not k.startswith("GGUF.") and k != "general.architecture":
+            t = field.types[0]
+            sub = {"sub_type": field.types[-1]} if t == gguf.GGUFValueType.ARRAY else {}
+            w.add_key_value(k, new.get(k, field.contents()), t, **sub)
+    shapes = {"token_embd.weight": (V, D), "output_norm.weight": (D,)}
+    shapes.update({f"blk.0.{n}.weight": s for n, s in (
+        ("attn_norm", (D,)), ("ffn_norm", (D,)), ("attn_q", (D, D)), ("attn_k", (D // 2, D)),
+        ("attn_v", (D // 2, D)), ("attn_output", (D, D)), ("ffn_gate", (F, D)), ("ffn_up", (F, D)),
+        ("ffn_down", (D, F)))})
+    rng = np.random.default_rng(0)
+    for name, s in shapes.items():
+        w.add_tensor(name, rng.normal(0, 0.02, s).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+RACER = """
+import sys, time
+from pathlib import Path
+import target
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM  # convert_gguf's
+gguf, cache, me = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+(cache.parent / f"ready-{me}").touch()  # imports done: wait for the other, then both convert at once
+while len(list(cache.parent.glob("ready-*"))) < 2:
+    time.sleep(0.01)
+print("result", target.convert_gguf(gguf, cache / "tiny"), flush=True)
+"""
+
+
+def test_two_processes_converting_into_an_empty_cache_both_get_one_conversion(tmp_path):
+    """Two real processes convert the same GGUF into an empty cache (target.convert_gguf, the demo's and the test
+    fixtures' path), released together by a file barrier once their imports are done; the cache also holds a
+    crashed writer's half-written folder (tiny.tmp<pid>, that pid gone). Both succeed with the same complete
+    folder, one converts while the other waits and takes its result, and nothing else is left in the cache."""
+    gguf = tiny_gguf(tmp_path / "tiny.Q4_1.gguf")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    (leftover := cache / f"tiny.tmp{dead.pid}").mkdir()
+    (leftover / "model.safetensors").write_bytes(b"torn")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, str(gguf), str(cache), str(i)], env=env, cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in racers]
+    for p, (out, err) in zip(racers, outs):
+        assert p.returncode == 0, err[-3000:]
+        assert f"result {cache / 'tiny'}" in out
+    said = "".join(out for out, _ in outs)
+    assert said.count("converting ") == 1, said  # one conversion; the other process took its result
+    assert f"removing {leftover}, left by a writer that died (pid {dead.pid})" in said, said
+    assert sorted(os.listdir(cache)) == ["tiny"]  # the dead writer's folder is gone, no .tmp, no lock file
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(cache / "tiny"))
+    import target
+    assert target.load_tokenizer(cache / "tiny").eos_token == "<|im_end|>"
+
+
+# -----------------------------------------------------------------------------
+# preemption: SIGTERM to the job, or to one rank, stops every rank after the same step, with a checkpoint there
+
+PREEMPT = ("--max_steps=16", "--ckpt_every=1000")  # a target rank's request arrives up to ~7 steps later
+ONE_TWO = ("--target_ranks=1", "--drafter_ranks=2")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_target, convs, tmp_path_factory):
+    """The run a stopped and resumed one must equal: 1 target + 2 drafter ranks, 16 steps, fp32."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    p, _ = run_train(tiny_target, convs, out, 3, *PREEMPT, *ONE_TWO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return out / "r" / "ckpt-0000016"
+
+
+def _sigterm_at_step(tiny_target, convs, out, k, who, topology):
+    """Start the PREEMPT job, SIGTERM `who` ("launcher" or a rank) once step k is logged -> (returncode, stdout,
+    stderr, seconds from the signal to the launcher's exit)."""
+    p = run_train(tiny_target, convs, out, 3, *PREEMPT, *topology, wait=False)
+    try:
+        metrics, t0 = out / "r" / "metrics.jsonl", time.time()
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= k):
+            assert p.poll() is None, p.communicate()[1][-3000:]
+            assert time.time() - t0 < 120, "the job never reached the step"
+            time.sleep(0.02)
+        pid = p.pid if who == "launcher" else rank_pid(str(out), who)
+        os.kill(pid, signal.SIGTERM)
+        t_signal = time.time()
+        stdout, stderr = p.communicate(timeout=120)
+        grace = time.time() - t_signal
+        assert procs_with(str(out)) == [], "orphan processes"
+        return p.returncode, stdout, stderr, grace
+    finally:  # never leave a failed test's job running
+        for q in procs_with(str(out)):
+            os.kill(q, signal.SIGKILL)
+
+
+def _stop_step(stdout, stderr, ranks=(0, 1, 2)):
+    """The step every rank says it stopped after (all the same)."""
+    import re
+    said = {int(r): int(s) for r, s in re.findall(r"rank (\d) \(\w+\): stopped after step (\d+)", stdout)}
+    assert sorted(said) == list(ranks), stdout[-3000:] + stderr[-3000:]
+    assert len(set(said.values())) == 1, said
+    return said[1]
+
+
+def _same_state(a, b):
+    """Two checkpoints hold the same drafter weights (bytes), fp32 masters and AdamW state, exactly."""
+    assert (Path(a) / "model.safetensors").read_bytes() == (Path(b) / "model.safetensors").read_bytes()
+    a, b = checkpoint.load_train_state(a), checkpoint.load_train_state(b)
+    assert a["step"] == b["step"]
+    assert all(torch.equal(x, y) for x, y in zip(a["masters"], b["masters"], strict=True))
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sorted(sa) == sorted(sb) and len(sa) == len(a["masters"])
+    for i in sa:
+        assert sorted(sa[i]) == sorted(sb[i]) and all(torch.equal(sa[i][k], sb[i][k]) for k in sa[i]), i
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+
+
+def test_sigterm_to_the_launcher_checkpoints_at_the_next_step_and_resume_is_exact(tiny_target, convs, tmp_path,
+                                                                                 uninterrupted):
+    """kill -TERM of torchrun once step 3 of 16 is logged: it forwards the signal to every rank; every rank stops
+    after the same step S (the next boundary), the leader writes ckpt-S there, all exit 0 within the grace period
+    (torchrun itself reports the signal it got), and --resume=auto then ends with the weights, fp32 masters and
+    AdamW state of the uninterrupted run, exactly."""
+    out = tmp_path / "stopped"
+    code, stdout, stderr, grace = _sigterm_at_step(tiny_target, convs, out, 3, "launcher", ONE_TWO)
+    S = _stop_step(stdout, stderr)
+    print(f"\nSIGTERM to the launcher after step 3: every rank stopped after step {S}; the launcher exited "
+          f"{grace:.1f} s after the signal")
+    assert 3 < S < 16 and grace < 25, (S, grace)  # ranks.stop_grace(): torchrun's shutdown timeout, 30 s, less 5
+    assert code != 0 and "SignalException" in stderr and "FAILED" not in stdout + stderr, stderr[-3000:]
+    assert f"rank 1 (drafter): stopped after step {S} for SIGTERM " in stdout
+    assert f"newest checkpoint {out / 'r' / f'ckpt-{S:07d}'}: continue with --resume=auto" in stdout
+    run = out / "r"
+    assert checkpoint.list_ckpts(run) == [f"ckpt-{S:07d}"] and not (run / "done.json").exists()
+    assert checkpoint.load_train_state(run / f"ckpt-{S:07d}")["step"] == S
+    assert [r["step"] for r in records(out)] == list(range(1, S + 1))
+
+    p, _ = run_train(tiny_target, convs, out, 3, *PREEMPT, *ONE_TWO, "--resume=auto")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"resuming at step {S}" in p.stdout and "WARNING resume" not in p.stdout
+    _same_state(run / "ckpt-0000016", uninterrupted)
+
+
+@pytest.mark.parametrize("rank,role,topology", [(2, "drafter", ONE_TWO), (0, "target", SPLIT)])
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tiny_target, convs, tmp_path, rank, role, topology):
+    """kill -TERM of one rank once step 3 is logged. Drafter rank 2 of 1 target + 2 drafters (not the leader: its
+    request reaches rank 1 through the statistics' all-reduce, the target rank through the store), or target rank 0
+    of 2 FSDP targets + 1 drafter (its request rides its next header to the drafter; rank 1 learns the stop from rank
+    0 or the store, before the same forward). Every rank stops after the same step S, ckpt-S is written, the job
+    exits 0 within the grace period."""
+    out = tmp_path / "stopped"
+    code, stdout, stderr, grace = _sigterm_at_step(tiny_target, convs, out, 3, rank, topology)
+    S = _stop_step(stdout, stderr)
+    print(f"\nSIGTERM to rank {rank} ({role}) after step 3: every rank stopped after step {S}; the job exited "
+          f"{grace:.1f} s after the signal")
+    assert code == 0 and 3 < S < 16 and grace < 25, (code, S, grace, stderr[-3000:])
+    assert f"rank {rank} ({role}): stopped after step {S} for SIGTERM " in stdout
+    if role == "target":
+        assert "for a stop asked by rank 0 (target)" in stdout
+    assert checkpoint.list_ckpts(out / "r") == [f"ckpt-{S:07d}"]
