@@ -107,6 +107,10 @@ def setup_dist(cfg, env):
 
 
 def teardown_dist(d):
+    _WATCHING.set()  # a target rank's stop watcher leaves the store before the store goes
+    for t in threading.enumerate():
+        if t.name == "watch_for_stop":
+            t.join(timeout=2)
     if d is not None and d.world > 1 and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -239,6 +243,9 @@ def stop_job(rank, role, done, ckpt=None, leader=False):
     os._exit(0)
 
 
+_WATCHING = threading.Event()  # set: the stop watcher's thread returns
+
+
 def watch_for_stop(d):
     """Target ranks: a thread that ends this process, wherever its main thread waits (a send the stopped drafters
     will never receive, a collective), once the drafters published their stop. -> the store, or None alone."""
@@ -249,11 +256,12 @@ def watch_for_stop(d):
     def watch():
         try:
             while not store.check([STOP_KEY]):
-                time.sleep(0.05)
+                if _WATCHING.wait(0.05):  # the rank is ending on its own (teardown_dist)
+                    return
         except Exception:  # the launcher and its store are gone: the job is over anyway
             return
         stop_job(d.rank, "target", int(store.get(STOP_KEY)))
-    threading.Thread(target=watch, daemon=True).start()
+    threading.Thread(target=watch, daemon=True, name="watch_for_stop").start()
     return store
 
 
