@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import namedtuple
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -83,11 +84,63 @@ def run_train(tiny_target, convs, out, nproc, *args, env=None, timeout=300, torc
     return p, time.time() - t0
 
 
-def run_trains(tiny_target, convs, *jobs, timeout=300):
-    """Independent one-process runs of one test at the same time, each job (out, 1, *args) as run_train takes
-    them -> their CompletedProcesses in job order. Start-up (imports, loading) is most of a tiny run, and one
-    process keeps one core busy: side by side, they use both cores of a 2-core machine. (torchrun jobs gain
-    nothing: their ranks already fill both cores, and two jobs at once took longer than one after the other.)"""
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        runs = [pool.submit(run_train, tiny_target, convs, *job, timeout=timeout) for job in jobs]
-        return [r.result()[0] for r in runs]
+def pytest_configure(config):
+    config.addinivalue_line("markers", "runs(*names): the entries of its module's RUNS table that a test reads "
+                                       "(through the `runs` fixture)")
+
+
+def job(nproc, *args, **kwargs):
+    """One entry of a module's RUNS table: run_train's arguments after `out` (nproc, the flags, fail=/env=/...)."""
+    return nproc, args, kwargs
+
+
+Run = namedtuple("Run", "p out secs")  # a finished run: its CompletedProcess, its out_dir, its wall seconds
+
+
+class BackgroundRuns:
+    """Training runs going on in the background, by name; runs[name] waits for that one -> Run."""
+
+    def __init__(self, futures):
+        self.futures = futures
+
+    def __getitem__(self, name):
+        if name not in self.futures:
+            raise KeyError(f"{name!r}: add it to the test's @pytest.mark.runs(...)")
+        return self.futures[name].result()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runs(request, tmp_path_factory):
+    """The training runs of a module's RUNS table that its selected tests name (@pytest.mark.runs), started together
+    when the module's first test starts, two at a time, in the background: a tiny run is mostly process start-up on
+    one or two cores, so this keeps both cores of a 2-core machine busy while the module's other tests go on, instead
+    of one run after another. A run's test reads it as runs[name] (waiting for it); a module without RUNS gets None."""
+    table = getattr(request.module, "RUNS", None)
+    wanted = {name for item in request.session.items if item.module is request.module
+              for mark in item.iter_markers("runs") for name in mark.args}
+    if not table or not wanted:
+        yield None
+        return
+    assert wanted <= set(table), wanted - set(table)
+    tiny, conversations = request.getfixturevalue("tiny_target"), request.getfixturevalue("convs")
+    base = tmp_path_factory.mktemp("runs")
+
+    def one(name, nproc, args, kwargs):
+        p, secs = run_train(tiny, conversations, base / name, nproc, *args, **kwargs)
+        return Run(p, base / name, secs)
+    pool = ThreadPoolExecutor(2)
+    futures = {name: pool.submit(one, name, *table[name]) for name in table if name in wanted}  # in table order
+    yield BackgroundRuns(futures)
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+SPLIT_REFERENCE = ("--max_steps=3", "--grad_accum=4", "--target_ranks=2", "--drafter_ranks=1")
+
+
+@pytest.fixture(scope="session")
+def split_reference(tiny_target, convs, tmp_path_factory):
+    """2 target + 1 drafter ranks, 4 micro-batches a step, 3 steps -> Run: the one-node run both the topology test
+    (test_train) and the two-node test (test_multinode) compare against; one launch serves both."""
+    out = tmp_path_factory.mktemp("split_reference")
+    p, secs = run_train(tiny_target, convs, out, 3, *SPLIT_REFERENCE)
+    return Run(p, out, secs)

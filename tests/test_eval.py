@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 import eval as ev
 import report
+from conftest import job
 from model import DFlashDrafter, drafter_config_from_target, save_drafter
 from target import features
 
@@ -604,19 +605,25 @@ def test_cli_demo_untrained_vs_trained(saved, llama, tmp_path, monkeypatch, caps
 # --watch: every checkpoint of a training run, as it appears
 
 
-def test_watch_a_training_run(tiny_target, convs, tmp_path):
+# conftest's `runs` fixture starts this training run in the background when the module starts: its ~5 s on one core
+# go on while the in-process tests before test_watch_a_training_run use the other
+RUNS = {"watched": job(1, "--max_steps=4", "--ckpt_every=2")}
+
+
+@pytest.mark.runs("watched")
+def test_watch_a_training_run(tiny_target, convs, tmp_path, runs):
     """train.py writes init + checkpoints + done.json; --watch evaluates each (init = step 0) exactly as a direct
     evaluation of that checkpoint, skips what it already did when started again, and waits for checkpoints that
     do not exist yet until done.json says the run is over."""
     import shutil
     import subprocess
     import sys
-    from conftest import ROOT, run_train
+    from conftest import ROOT
     from model import load_drafter
     from target import load_for_generation
-    p, _ = run_train(tiny_target, convs, tmp_path / "out", 1, "--max_steps=4", "--ckpt_every=2")
+    p, out, _ = runs["watched"]
     assert p.returncode == 0, p.stderr[-2000:]
-    run = tmp_path / "out" / "r"
+    run = out / "r"
     assert json.loads((run / "done.json").read_text())["steps"] == 4
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": c}]}) + "\n"

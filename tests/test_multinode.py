@@ -61,18 +61,18 @@ def two_nodes(tiny_target, convs, out, *args, fail=None):
                       torchrun_args=rdzv + [f"--node_rank={n}"], wait=False) for n in (0, 1)]
 
 
-def test_two_nodes_match_one_node(tiny_target, convs, tmp_path):
-    """2 nodes x (2 target + 1 drafter) vs 1 node (2 + 1) with the same global batch: same step-1 loss."""
-    p, _ = run_train(tiny_target, convs, tmp_path / "one", 3, "--target_ranks=2", "--drafter_ranks=1",
-                     "--grad_accum=2", "--max_steps=2")
+def test_two_nodes_match_one_node(tiny_target, convs, tmp_path, split_reference):
+    """2 nodes x (2 target + 1 drafter), 2 micro-batches a drafter, vs 1 node (2 + 1) with 4 (conftest's
+    split_reference, the topology test's run too): the same global batch, the same step-1 loss."""
+    p, one, _ = split_reference
     assert p.returncode == 0, p.stderr[-3000:]
-    procs = two_nodes(tiny_target, convs, tmp_path / "two", "--max_steps=2")
+    procs = two_nodes(tiny_target, convs, tmp_path / "two", "--max_steps=3", "--grad_accum=2")
     outs = [q.communicate(timeout=300) for q in procs]
     for q, (o, e) in zip(procs, outs):
         assert q.returncode == 0, e[-3000:]
     log = "".join(o for o, _ in outs)
     assert "2 node(s) x 3 processes" in log
-    one, two = ([json.loads(x) for x in open(d / "r" / "metrics.jsonl")] for d in (tmp_path / "one", tmp_path / "two"))
+    one, two = ([json.loads(x) for x in open(d / "r" / "metrics.jsonl")] for d in (one, tmp_path / "two"))
     assert two[0]["loss"] == pytest.approx(one[0]["loss"], rel=1e-4)
     assert two[0]["grad_norm"] == pytest.approx(one[0]["grad_norm"], rel=1e-4)
 

@@ -24,9 +24,28 @@ import torch
 import checkpoint
 import train
 from ranks import Dist
-from conftest import ROOT, run_train
+from conftest import ROOT, job, run_train
 
 SPLIT = ("--target_ranks=2", "--drafter_ranks=1")
+CRASH = ("--max_steps=8", "--batch_size=2", "--grad_accum=2", "--ckpt_every=2", "--keep_ckpts=2",
+         "--warmup_ratio=0.5", *SPLIT)
+PREEMPT = ("--max_steps=16", "--ckpt_every=1000")  # a target rank's request arrives up to ~7 steps later
+ONE_TWO = ("--target_ranks=1", "--drafter_ranks=2")
+# The training runs of this module that need no signal from the test while they run, started together in the
+# background when the module starts (the `runs` fixture of conftest, two at a time), so that both cores stay busy;
+# each test reads its own by name.
+RUNS = {
+    "crash-straight": job(3, *CRASH),  # the uninterrupted run the crashed and resumed one must equal
+    "nonfinite-streak": job(3, "--max_steps=50", "--ckpt_every=2", "--max_bad_steps=3", *ONE_TWO,
+                            fail="2:2+:nan"),
+    "nonfinite-once": job(1, "--max_steps=5", "--ckpt_every=1", "--keep_ckpts=5", fail="0:2:nan"),
+    "bad-config": job(3, *SPLIT, "--block_size=1", "--lr=0", "--run_name=../x"),
+    "torn-checkpoints": job(1, "--max_steps=3", "--ckpt_every=1"),  # then torn by its test, and resumed
+    "nonfinite-weights": job(1, "--max_steps=4", "--ckpt_every=1", fail="0:1:inf"),
+    "nonfinite-last-steps": job(1, "--max_steps=5", "--ckpt_every=1", fail="0:3+:nan"),
+    "mask-token-in-data": job(1, "--max_steps=2", "--mask_token=<|im_end|>"),
+    "uninterrupted": job(3, *PREEMPT, *ONE_TWO),  # what a stopped and resumed run must equal
+}
 
 
 def _tiny_drafter_files(ck):
@@ -114,20 +133,19 @@ def test_kill_9_names_rank_and_role_exits_fast_no_orphans(tiny_target, convs, tm
 # a crash inside a checkpoint write, then an exact resume under the split topology
 
 
-def test_crash_in_checkpoint_write_keeps_newest_and_resume_is_exact_split(tiny_target, convs, tmp_path):
+@pytest.mark.runs("crash-straight")
+def test_crash_in_checkpoint_write_keeps_newest_and_resume_is_exact_split(tiny_target, convs, tmp_path, runs):
     """2 target + 1 drafter ranks, fp32, batch 2 x grad_accum 2 (6 steps per epoch of 24 conversations), warmup
     over 4 of 8 steps. The drafter (the checkpoint writer) is SIGKILLed after ckpt-0000004.tmp is complete and
     before its rename: ckpt-0000002 stays intact and loadable, --resume=auto picks it, and the resumed run (inside
     the warmup, across the epoch boundary) has the losses, grad norms and final weights of an uninterrupted run,
     exactly: data cursor, anchor sampling, LR schedule and optimizer state are all restored."""
-    args = ("--max_steps=8", "--batch_size=2", "--grad_accum=2", "--ckpt_every=2", "--keep_ckpts=2",
-            "--warmup_ratio=0.5", *SPLIT)
-    p, _ = run_train(tiny_target, convs, tmp_path / "straight", 3, *args)
+    p, straight_out, _ = runs["crash-straight"]
     assert p.returncode == 0, p.stderr[-3000:]
-    straight = records(tmp_path / "straight")
+    straight = records(straight_out)
 
     out = tmp_path / "crash"
-    p, _ = run_train(tiny_target, convs, out, 3, *args, fail="2:4:ckpt")
+    p, _ = run_train(tiny_target, convs, out, 3, *CRASH, fail="2:4:ckpt")
     assert p.returncode != 0 and "SIGKILL" in p.stderr
     root = p.stderr[p.stderr.index("Root Cause"):]  # the killed rank, not the ranks torchrun stopped after it
     assert "rank      : 2 " in root and "rank 2 (drafter) died without a Python error" in root, root
@@ -139,19 +157,19 @@ def test_crash_in_checkpoint_write_keeps_newest_and_resume_is_exact_split(tiny_t
     assert checkpoint.load_train_state(run / "ckpt-0000002")["step"] == 2
     assert [r["step"] for r in records(out)] == [1, 2, 3, 4]  # steps 3-4 ran, then their checkpoint was lost
 
-    p, _ = run_train(tiny_target, convs, out, 3, *args, "--resume=auto")
+    p, _ = run_train(tiny_target, convs, out, 3, *CRASH, "--resume=auto")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "resuming at step 2" in p.stdout and "WARNING resume" not in p.stdout  # the same config
     resumed = records(out)
     assert [r["step"] for r in resumed] == list(range(1, 9))  # the lines of the lost steps were replaced
     for key in ("loss", "grad_norm", "acc", "tau_est", "lr"):
         assert [r[key] for r in resumed] == [r[key] for r in straight], key  # bit-identical in fp32
-    a = checkpoint.load_train_state(tmp_path / "straight" / "r" / "ckpt-0000008")
+    a = checkpoint.load_train_state(straight_out / "r" / "ckpt-0000008")
     b = checkpoint.load_train_state(run / "ckpt-0000008")
     assert all(torch.equal(x, y) for x, y in zip(a["masters"], b["masters"]))
     assert (run / "ckpt-0000008" / "model.safetensors").read_bytes() == \
-        (tmp_path / "straight" / "r" / "ckpt-0000008" / "model.safetensors").read_bytes()
-    assert sorted(os.listdir(run)) == sorted(os.listdir(tmp_path / "straight" / "r"))  # no .tmp left behind
+        (straight_out / "r" / "ckpt-0000008" / "model.safetensors").read_bytes()
+    assert sorted(os.listdir(run)) == sorted(os.listdir(straight_out / "r"))  # no .tmp left behind
 
 
 def test_checkpoint_write_failure_keeps_earlier_ones(tmp_path, monkeypatch):
@@ -218,38 +236,38 @@ def test_nonfinite_step_changes_nothing(dtype):
     assert not torch.equal(model.weight, snap[0][0])
 
 
-def test_nonfinite_step_is_skipped_counted_and_logged(tiny_target, convs, tmp_path):
+@pytest.mark.runs("nonfinite-once")
+def test_nonfinite_step_is_skipped_counted_and_logged(runs):
     """One NaN loss at step index 2 (the 3rd step): skipped, counted, logged at once; training continues and
     the optimizer applied 4 of 5 updates; no checkpoint holds a bad step."""
-    p, _ = run_train(tiny_target, convs, tmp_path, 1, "--max_steps=5", "--ckpt_every=1", "--keep_ckpts=5",
-                     fail="0:2:nan")
+    p, out, _ = runs["nonfinite-once"]
     assert p.returncode == 0, p.stderr[-3000:]
     assert "step=3/5 SKIPPED: non-finite loss=nan" in p.stdout and "done: 5 steps, 1 skipped" in p.stdout
-    rows = records(tmp_path)
+    rows = records(out)
     assert [(r["step"], bool(r.get("skipped"))) for r in rows] == [(1, 0), (2, 0), (3, 1), (4, 0), (5, 0)]
     assert rows[2]["loss"] == "nan" and rows[2]["bad_steps"] == 1 and [r["bad_steps"] for r in rows[3:]] == [1, 1]
-    assert checkpoint.list_ckpts(tmp_path / "r") == ["ckpt-0000001", "ckpt-0000002", "ckpt-0000004", "ckpt-0000005"]
-    state = checkpoint.load_train_state(tmp_path / "r" / "ckpt-0000005")
+    assert checkpoint.list_ckpts(out / "r") == ["ckpt-0000001", "ckpt-0000002", "ckpt-0000004", "ckpt-0000005"]
+    state = checkpoint.load_train_state(out / "r" / "ckpt-0000005")
     assert state["bad_steps"] == 1
     assert all(int(s["step"]) == 4 for s in state["optimizer"]["state"].values())  # Adam saw 4 updates, not 5
 
 
-def test_consecutive_nonfinite_steps_stop_the_run_naming_last_good_checkpoint(tiny_target, convs, tmp_path):
+@pytest.mark.runs("nonfinite-streak")
+def test_consecutive_nonfinite_steps_stop_the_run_naming_last_good_checkpoint(runs):
     """1 target + 2 drafter ranks; NaN losses on rank 2 only, from step index 2 on: the leader (rank 1) sees them
     through the all-reduce, both drafters skip the same steps, and after max_bad_steps=3 the job stops with the
     path of the last good checkpoint."""
-    p, secs = run_train(tiny_target, convs, tmp_path, 3, "--max_steps=50", "--ckpt_every=2", "--max_bad_steps=3",
-                        "--target_ranks=1", "--drafter_ranks=2", fail="2:2+:nan")
+    p, out, secs = runs["nonfinite-streak"]
     assert p.returncode != 0
-    good = str(tmp_path / "r" / "ckpt-0000002")
+    good = str(out / "r" / "ckpt-0000002")
     assert "3 consecutive steps with a non-finite loss or grad norm (steps 3-5" in p.stderr
     assert f"Last good checkpoint: {good}" in p.stderr
     root = p.stderr[p.stderr.index("Root Cause"):]  # a drafter's error, not the target rank stopped after it
     assert "FAILED: FloatingPointError" in root and "(drafter)]" in root and "died without" not in root, root
-    rows = records(tmp_path)
+    rows = records(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]  # nothing after the stop
     assert [r.get("bad_streak") for r in rows[2:]] == [1, 2, 3]
-    assert checkpoint.list_ckpts(tmp_path / "r") == ["ckpt-0000002"]  # no checkpoint during the bad streak
+    assert checkpoint.list_ckpts(out / "r") == ["ckpt-0000002"]  # no checkpoint during the bad streak
     assert secs < 120
 
 
@@ -430,10 +448,11 @@ def test_bad_command_line_names_the_field(argv, field):
         train.parse_config(argv)
 
 
-def test_bad_config_stops_before_any_model_loading(tiny_target, convs, tmp_path):
+@pytest.mark.runs("bad-config")
+def test_bad_config_stops_before_any_model_loading(convs, tmp_path, runs):
     """The real entry point under torchrun: every rank refuses at once, all errors listed, nothing loaded, no
     process group; a missing target is named as such."""
-    p, secs = run_train(tiny_target, convs, tmp_path, 3, *SPLIT, "--block_size=1", "--lr=0", "--run_name=../x")
+    p = runs["bad-config"].p
     assert p.returncode != 0
     for part in ("block_size=1", "lr=0.0", "run_name='../x'"):
         assert part in p.stderr, part
@@ -524,10 +543,11 @@ def test_second_run_into_a_running_run_directory_is_refused(tiny_target, convs, 
     assert p.returncode == 0, p.stderr[-3000:]
 
 
-def test_resume_auto_passes_over_torn_and_incomplete_checkpoints(tiny_target, convs, tmp_path):
-    p, _ = run_train(tiny_target, convs, tmp_path, 1, "--max_steps=3", "--ckpt_every=1")
+@pytest.mark.runs("torn-checkpoints")
+def test_resume_auto_passes_over_torn_and_incomplete_checkpoints(tiny_target, convs, runs):
+    p, out, _ = runs["torn-checkpoints"]
     assert p.returncode == 0, p.stderr[-3000:]
-    run = tmp_path / "r"
+    run = out / "r"
     state = run / "ckpt-0000003" / "train_state.pt"
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # torn
     (run / "ckpt-0000002" / "model.safetensors").unlink()  # incomplete
@@ -535,27 +555,29 @@ def test_resume_auto_passes_over_torn_and_incomplete_checkpoints(tiny_target, co
         checkpoint.load_train_state(run / "ckpt-0000003")
     with pytest.raises(ValueError, match="ckpt-0000002 is incomplete: no model.safetensors"):
         checkpoint.load_train_state(run / "ckpt-0000002")
-    p, _ = run_train(tiny_target, convs, tmp_path, 1, "--max_steps=4", "--resume=auto")
+    p, _ = run_train(tiny_target, convs, out, 1, "--max_steps=4", "--resume=auto")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "passing over" in p.stdout and "ckpt-0000003/train_state.pt is torn" in p.stdout
     assert "ckpt-0000002 is incomplete" in p.stdout and "resuming at step 1" in p.stdout
 
 
-def test_update_leaving_nonfinite_weights_stops_the_run(tiny_target, convs, tmp_path):
+@pytest.mark.runs("nonfinite-weights")
+def test_update_leaving_nonfinite_weights_stops_the_run(runs):
     """An update that leaves a weight non-finite (injected at step index 1: an overflow) cannot be skipped back: the
     run stops there, non-zero, naming the last good checkpoint, and writes no checkpoint of the broken weights."""
-    p, _ = run_train(tiny_target, convs, tmp_path, 1, "--max_steps=4", "--ckpt_every=1", fail="0:1:inf")
+    p, out, _ = runs["nonfinite-weights"]
     assert p.returncode != 0
     assert "step 2 left non-finite weights" in p.stderr, p.stderr[-2000:]
-    assert f"Last good checkpoint: {tmp_path / 'r' / 'ckpt-0000001'}" in p.stderr
-    assert checkpoint.list_ckpts(tmp_path / "r") == ["ckpt-0000001"]
+    assert f"Last good checkpoint: {out / 'r' / 'ckpt-0000001'}" in p.stderr
+    assert checkpoint.list_ckpts(out / "r") == ["ckpt-0000001"]
 
 
-def test_run_whose_last_steps_were_skipped_exits_nonzero(tiny_target, convs, tmp_path):
-    p, _ = run_train(tiny_target, convs, tmp_path, 1, "--max_steps=5", "--ckpt_every=1", fail="0:3+:nan")
+@pytest.mark.runs("nonfinite-last-steps")
+def test_run_whose_last_steps_were_skipped_exits_nonzero(runs):
+    p, out, _ = runs["nonfinite-last-steps"]
     assert p.returncode != 0
     assert "the last 2 steps were skipped as non-finite" in p.stderr
-    assert f"Last good checkpoint: {tmp_path / 'r' / 'ckpt-0000003'}" in p.stderr
+    assert f"Last good checkpoint: {out / 'r' / 'ckpt-0000003'}" in p.stderr
 
 
 def test_target_that_needs_custom_code_is_refused_without_running_it(tmp_path, convs):
@@ -584,10 +606,11 @@ def test_init_drafter_with_shape_fields_is_refused():
         train.parse_config(["--init_drafter=/x", "--block_size=8", "--drafter_layers=3", "--lr=1e-3"])
 
 
-def test_mask_token_the_data_uses_is_refused(tiny_target, convs, tmp_path):
+@pytest.mark.runs("mask-token-in-data")
+def test_mask_token_the_data_uses_is_refused(convs, runs):
     """<|im_end|> closes every turn of the chat template: as the mask token the drafter could not tell a masked slot
     from the end of a turn. Refused after tokenizing, before the target is loaded, naming the token and a record."""
-    p, _ = run_train(tiny_target, convs, tmp_path, 1, "--max_steps=2", "--mask_token=<|im_end|>")
+    p = runs["mask-token-in-data"].p
     assert p.returncode != 0
     assert "mask_token: '<|im_end|>' (id 2) occurs" in p.stderr and f"first at {convs}:1 " in p.stderr, p.stderr
     assert "target loaded" not in p.stdout
@@ -761,15 +784,10 @@ def test_two_processes_converting_into_an_empty_cache_both_get_one_conversion(tm
 # -----------------------------------------------------------------------------
 # preemption: SIGTERM to the job, or to one rank, stops every rank after the same step, with a checkpoint there
 
-PREEMPT = ("--max_steps=16", "--ckpt_every=1000")  # a target rank's request arrives up to ~7 steps later
-ONE_TWO = ("--target_ranks=1", "--drafter_ranks=2")
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tiny_target, convs, tmp_path_factory):
+@pytest.fixture
+def uninterrupted(runs):
     """The run a stopped and resumed one must equal: 1 target + 2 drafter ranks, 16 steps, fp32."""
-    out = tmp_path_factory.mktemp("uninterrupted")
-    p, _ = run_train(tiny_target, convs, out, 3, *PREEMPT, *ONE_TWO)
+    p, out, _ = runs["uninterrupted"]
     assert p.returncode == 0, p.stderr[-3000:]
     return out / "r" / "ckpt-0000016"
 
@@ -818,6 +836,7 @@ def _same_state(a, b):
     assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
 
 
+@pytest.mark.runs("uninterrupted")
 def test_sigterm_to_the_launcher_checkpoints_at_the_next_step_and_resume_is_exact(tiny_target, convs, tmp_path,
                                                                                  uninterrupted):
     """kill -TERM of torchrun once step 3 of 16 is logged: it forwards the signal to every rank; every rank stops

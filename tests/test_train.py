@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import train
-from conftest import free_port, run_train, run_trains
+from conftest import free_port, job, run_train
 from model import build_target_layer_ids
 from target import load_for_capture
 
@@ -224,60 +224,70 @@ def test_fla_short_conv_keeps_the_gated_deltanet_layer(monkeypatch, tiny_target)
     assert fla_short_conv(llama, conv, "cpu") == []
 
 
-@pytest.fixture(scope="module")
-def colocated_4_micro_batches(tiny_target, convs, tmp_path_factory):
-    """One process, 4 micro-batches a step, 3 steps, the default decay weighting: the reference run of both
-    split-invariance tests (its step-1 loss comes before any update, so max_steps does not change it)."""
-    out = tmp_path_factory.mktemp("w1")
-    p, _ = run_train(tiny_target, convs, out, 1, "--max_steps=3", "--grad_accum=4")
-    return p, out
+# Every plain training run of this module's tests, started together in the background when the module starts (the
+# `runs` fixture of conftest, two at a time), so that both cores stay busy; each test reads its own by name.
+DPACE = ("--max_steps=1", "--loss_weighting=dpace", "--dpace_alpha=0.4")
+TWO_DRAFTERS = ("--grad_accum=2", "--target_ranks=2", "--drafter_ranks=2")
+KD = ("--max_steps=6", "--lr=3e-3")
+FP8 = ("--fp8=tensorwise", "--fp8_head=true")
+RUNS = {
+    # one process, 4 micro-batches a step, 3 steps, the default decay weighting: the reference run of both
+    # split-invariance tests (its step-1 loss comes before any update, so max_steps does not change it)
+    "colocated": job(1, "--max_steps=3", "--grad_accum=4"),
+    "two-drafters": job(4, "--max_steps=3", *TWO_DRAFTERS),
+    "dpace-colocated": job(1, *DPACE, "--grad_accum=4"),
+    "dpace-two-drafters": job(4, *DPACE, *TWO_DRAFTERS),
+    "kd-l1": job(3, *KD, "--kd_loss=l1", "--markov_rank=8", "--confidence_head=true", "--target_ranks=2",
+                 "--drafter_ranks=1"),
+    "kd-kl": job(1, *KD, "--kd_loss=kl", "--kd_weight=0.5", "--loss_weighting=dpace"),
+    "kd-ce": job(1, *KD, "--loss_weighting=dpace"),
+    "markov": job(3, "--max_steps=6", "--markov_rank=8", "--target_ranks=2", "--drafter_ranks=1", "--lr=3e-3"),
+    "domino": job(1, "--max_steps=6", "--domino_gru_dim=8", "--domino_emb_dim=16", "--lr=3e-3"),
+    "fp8": job(1, "--max_steps=3", *FP8),
+    "fp8-ref": job(1, "--max_steps=3"),
+    "fp8-all": job(1, "--max_steps=3", *FP8, "--target_fp8=true"),
+    "resume-straight": job(1, "--max_steps=6", "--batch_size=2"),
+    "resume-ckpt": job(1, "--max_steps=6", "--batch_size=2", "--ckpt_every=3"),
+    "rank-failure": job(3, "--max_steps=50", "--target_ranks=2", "--drafter_ranks=1", fail="2:2", timeout=120),
+}
 
 
-def test_torchrun_3_and_4_processes_and_topology_invariance(tiny_target, convs, tmp_path,
-                                                             colocated_4_micro_batches):
-    """Same seed, same global batch (4 sequences per step): world 1 colocated, 2 targets + 1 drafter, and
-    2 targets + 2 data-parallel drafters give the same step-1 loss and grad norm."""
-    runs = {}
-    for nproc, extra in ((1, None), (3, ["--grad_accum=4", "--target_ranks=2", "--drafter_ranks=1"]),
-                         (4, ["--grad_accum=2", "--target_ranks=2", "--drafter_ranks=2"])):
-        if extra is None:  # the colocated run, shared with the D-PACE test
-            p, out = colocated_4_micro_batches
-        else:
-            out = tmp_path / f"w{nproc}"
-            p, _ = run_train(tiny_target, convs, out, nproc, "--max_steps=3", *extra)
+@pytest.mark.runs("colocated", "two-drafters")
+def test_torchrun_3_and_4_processes_and_topology_invariance(runs, split_reference):
+    """Same seed, same global batch (4 sequences per step): world 1 colocated, 2 targets + 1 drafter (the
+    split_reference run, which the two-node test compares against too), and 2 targets + 2 data-parallel drafters
+    give the same step-1 loss and grad norm."""
+    by_world = {}
+    for nproc, (p, out, _) in ((1, runs["colocated"]), (3, split_reference), (4, runs["two-drafters"])):
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-        runs[nproc] = metrics(out)
-        assert len(runs[nproc]) == 3
+        by_world[nproc] = metrics(out)
+        assert len(by_world[nproc]) == 3
         assert (out / "r" / "ckpt-0000003" / "model.safetensors").exists()
         assert (out / "r" / "curves.png").exists() and (out / "r" / "config.json").exists()
     for nproc in (3, 4):
         for key in ("loss", "grad_norm", "acc", "tau_est"):
-            assert runs[nproc][0][key] == pytest.approx(runs[1][0][key], rel=1e-4, abs=1e-6), (nproc, key)
+            assert by_world[nproc][0][key] == pytest.approx(by_world[1][0][key], rel=1e-4, abs=1e-6), (nproc, key)
     assert "balanced split" in p.stdout  # each side's capacity is reported
     from model import load_drafter
-    d = load_drafter(tmp_path / "w4" / "r" / "ckpt-0000003")
+    d = load_drafter(out / "r" / "ckpt-0000003")
     assert d.cfg.target_layer_ids == build_target_layer_ids(6, 3) and d.cfg.mask_token_id == 16
 
 
-def test_dpace_normalization_is_split_invariant(tiny_target, convs, tmp_path, colocated_4_micro_batches):
+@pytest.mark.runs("dpace-colocated", "dpace-two-drafters", "colocated")
+def test_dpace_normalization_is_split_invariant(runs):
     """--loss_weighting=dpace: its denominator (kept blocks) is summed over micro-batches and drafter ranks, so one
     process with 4 micro-batches and 2 data-parallel drafters with 2 each give the same step-1 loss and grad norm
     (a rank-local denominator would not), and the loss differs from the decay objective's (the same run with
     decay: the topology test's colocated run)."""
-    dpace = ["--max_steps=1", "--loss_weighting=dpace", "--dpace_alpha=0.4"]
-    split = ["--grad_accum=2", "--target_ranks=2", "--drafter_ranks=2"]
-    runs = {}
-    for nproc, extra in ((1, ["--grad_accum=4"]), (4, split), (0, None)):
-        if extra is None:  # the decay objective's run: the topology test's colocated one
-            p, out = colocated_4_micro_batches
-        else:
-            out = tmp_path / f"w{nproc}"
-            p, _ = run_train(tiny_target, convs, out, nproc, *dpace, *extra)
+    first = {}
+    for name in ("dpace-colocated", "dpace-two-drafters", "colocated"):  # the last: decay, the topology test's
+        p, out, _ = runs[name]
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-        runs[nproc] = metrics(out)[0]
+        first[name] = metrics(out)[0]
     for key in ("loss", "grad_norm", "acc", "tau_est"):
-        assert runs[4][key] == pytest.approx(runs[1][key], rel=1e-4, abs=1e-6), key
-    assert runs[1]["loss"] != pytest.approx(runs[0]["loss"], rel=1e-3)
+        assert first["dpace-two-drafters"][key] == pytest.approx(first["dpace-colocated"][key], rel=1e-4,
+                                                                  abs=1e-6), key
+    assert first["dpace-colocated"]["loss"] != pytest.approx(first["colocated"]["loss"], rel=1e-3)
 
 
 def test_capture_final_state_is_the_lm_heads_input(tiny_target):
@@ -300,45 +310,42 @@ def test_capture_final_state_is_the_lm_heads_input(tiny_target):
     assert len(plain.base.layers) == 4 and torch.equal(plain(ids), got[..., :192])
 
 
-def test_kd_and_confidence_head_train_through_train_py(tiny_target, convs, tmp_path):
+@pytest.mark.runs("kd-l1", "kd-kl", "kd-ce")
+def test_kd_and_confidence_head_train_through_train_py(runs):
     """The target-distribution loss and the confidence head through the real main(): under torchrun
     (2 targets + 1 drafter: the final states travel with the layers') --kd_loss=l1 with a Markov
     and a confidence head, and in one process --kd_loss=kl under D-PACE. Both end, the loss falls, the checkpoint carries the head (its
     weights moved from their init), and the kl run's loss differs from the CE-only run's on the
     same data and seed."""
     from model import load_drafter
-    common = ["--max_steps=6", "--lr=3e-3"]
-    runs = {"l1": (3, ["--kd_loss=l1", "--markov_rank=8", "--confidence_head=true",
-                       "--target_ranks=2", "--drafter_ranks=1"]),
-            "kl": (1, ["--kd_loss=kl", "--kd_weight=0.5", "--loss_weighting=dpace"]),
-            "ce": (1, ["--loss_weighting=dpace"])}
-    for name, (nproc, extra) in runs.items():
-        p, _ = run_train(tiny_target, convs, tmp_path / name, nproc, *common, *extra)
+    for name in ("kd-l1", "kd-kl", "kd-ce"):
+        p, out, _ = runs[name]
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-        rows = metrics(tmp_path / name)
+        rows = metrics(out)
         assert rows[-1]["loss"] < rows[0]["loss"], name
-    init, last = (load_drafter(tmp_path / "l1" / "r" / n) for n in ("init", "ckpt-0000006"))
+    init, last = (load_drafter(runs["kd-l1"].out / "r" / n) for n in ("init", "ckpt-0000006"))
     assert last.cfg.confidence_head and init.cfg == last.cfg
     assert not torch.equal(init.confidence_head.proj.weight, last.confidence_head.proj.weight)
-    kl, ce = (metrics(tmp_path / name)[0]["loss"] for name in ("kl", "ce"))
+    kl, ce = (metrics(runs[name].out)[0]["loss"] for name in ("kd-kl", "kd-ce"))
     assert kl != pytest.approx(ce, rel=1e-3)
 
 
-def test_markov_head_trains_through_train_py(tiny_target, convs, tmp_path):
+@pytest.mark.runs("markov")
+def test_markov_head_trains_through_train_py(runs):
     """--markov_rank=8 under torchrun (2 targets + 1 drafter): the run ends, its checkpoint is a DSpark drafter that
     loads with the head, the head's weights moved from their init, and the loss fell."""
     from model import load_drafter
-    p, _ = run_train(tiny_target, convs, tmp_path, 3, "--max_steps=6", "--markov_rank=8", "--target_ranks=2",
-                     "--drafter_ranks=1", "--lr=3e-3")
+    p, out, _ = runs["markov"]
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    init, last = (load_drafter(tmp_path / "r" / n) for n in ("init", "ckpt-0000006"))
+    init, last = (load_drafter(out / "r" / n) for n in ("init", "ckpt-0000006"))
     assert last.cfg.markov_rank == 8 and init.cfg == last.cfg
     assert not torch.equal(init.markov_head.markov_w1.weight, last.markov_head.markov_w1.weight)
-    rows = metrics(tmp_path)
+    rows = metrics(out)
     assert rows[-1]["loss"] < rows[0]["loss"]
 
 
-def test_domino_head_trains_through_train_py(tiny_target, convs, tmp_path):
+@pytest.mark.runs("domino")
+def test_domino_head_trains_through_train_py(runs):
     """--domino_gru_dim=8, one process: the run ends, its checkpoint is a
     Domino drafter that loads with the head, whose weights moved from their init once the LM
     head's own CE stopped weighing everything (1, 2/3, 1/3, then 0 over 6 steps at decay 0.5), and
@@ -349,43 +356,42 @@ def test_domino_head_trains_through_train_py(tiny_target, convs, tmp_path):
     assert train.domino_base_weight(train.Config(domino_gru_dim=8, domino_base_start=0.5), 1, 10) == \
         pytest.approx(0.4)
     assert train.domino_base_weight(train.Config(), 0, 6) == 0  # no Domino head
-    p, _ = run_train(tiny_target, convs, tmp_path, 1, "--max_steps=6", "--domino_gru_dim=8",
-                     "--domino_emb_dim=16", "--lr=3e-3")
+    p, out, _ = runs["domino"]
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    init, last = (load_drafter(tmp_path / "r" / n) for n in ("init", "ckpt-0000006"))
+    init, last = (load_drafter(out / "r" / n) for n in ("init", "ckpt-0000006"))
     assert last.cfg.domino_gru_dim == 8 and last.cfg.domino_emb_dim == 16 and init.cfg == last.cfg
     for name in ("prefix_gru.weight_ih_l0", "embed_proj.2.weight"):
         assert not torch.equal(init.state_dict()[name], last.state_dict()[name]), name
-    rows = metrics(tmp_path)
+    rows = metrics(out)
     assert rows[-1]["loss"] < rows[0]["loss"]
 
 
-def test_fp8_trains_through_train_py(tiny_target, convs, tmp_path):
+@pytest.mark.runs("fp8", "fp8-ref", "fp8-all")
+def test_fp8_trains_through_train_py(runs):
     """--fp8=tensorwise (emulated on CPU) with --fp8_head (real e4m3 matmuls): the run ends, its losses stay within
     FP8 rounding of the run without them (same seed and data) while differing from them, and its checkpoint is a
     plain released-format drafter. --target_fp8 on top trains on the FP8 target's states: it ends, loss near too."""
     from model import load_drafter
-    runs, extras = {}, {"fp8": ["--fp8=tensorwise", "--fp8_head=true"], "ref": [],
-                        "all": ["--fp8=tensorwise", "--fp8_head=true", "--target_fp8=true"]}
-    procs = run_trains(tiny_target, convs, *((tmp_path / name, 1, "--max_steps=3", *extra)
-                                             for name, extra in extras.items()))
-    for name, p in zip(extras, procs):
+    losses = {}
+    for name, run in (("fp8", "fp8"), ("ref", "fp8-ref"), ("all", "fp8-all")):
+        p, out, _ = runs[run]
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-        runs[name] = [r["loss"] for r in metrics(tmp_path / name)]
-    assert runs["fp8"] != runs["ref"] and runs["fp8"] == pytest.approx(runs["ref"], rel=0.02)
-    assert runs["all"] != runs["fp8"] and runs["all"] == pytest.approx(runs["ref"], rel=0.1)
+        losses[name] = [r["loss"] for r in metrics(out)]
+    assert losses["fp8"] != losses["ref"] and losses["fp8"] == pytest.approx(losses["ref"], rel=0.02)
+    assert losses["all"] != losses["fp8"] and losses["all"] == pytest.approx(losses["ref"], rel=0.1)
     assert "linears in FP8" in p.stdout
-    fp8, ref = (load_drafter(tmp_path / name / "r" / "ckpt-0000003") for name in ("fp8", "ref"))
+    fp8, ref = (load_drafter(runs[name].out / "r" / "ckpt-0000003") for name in ("fp8", "fp8-ref"))
     assert fp8.cfg == ref.cfg and list(fp8.state_dict()) == list(ref.state_dict())
 
 
-def test_resume_is_exact(tiny_target, convs, tmp_path):
-    p, q = run_trains(tiny_target, convs, (tmp_path / "a", 1, "--max_steps=6", "--batch_size=2"),
-                      (tmp_path / "b", 1, "--max_steps=6", "--batch_size=2", "--ckpt_every=3"))
+@pytest.mark.runs("resume-straight", "resume-ckpt")
+def test_resume_is_exact(tiny_target, convs, tmp_path, runs):
+    p, a, _ = runs["resume-straight"]
     assert p.returncode == 0, p.stderr[-3000:]
-    straight = [r["loss"] for r in metrics(tmp_path / "a")]
+    straight = [r["loss"] for r in metrics(a)]
+    q, b, _ = runs["resume-ckpt"]
     assert q.returncode == 0
-    ck = tmp_path / "b" / "r" / "ckpt-0000003"
+    ck = b / "r" / "ckpt-0000003"
     # a second run dir resumed from the step-3 checkpoint of the first
     p, _ = run_train(tiny_target, convs, tmp_path / "c", 1, "--max_steps=6", "--batch_size=2", f"--resume={ck}")
     assert p.returncode == 0, p.stderr[-3000:]
@@ -394,9 +400,9 @@ def test_resume_is_exact(tiny_target, convs, tmp_path):
     assert resumed == straight[3:]  # bit-identical in fp32
 
 
-def test_rank_failure_ends_job_fast(tiny_target, convs, tmp_path):
-    p, secs = run_train(tiny_target, convs, tmp_path, 3, "--max_steps=50", "--target_ranks=2", "--drafter_ranks=1",
-                        fail="2:2", timeout=120)
+@pytest.mark.runs("rank-failure")
+def test_rank_failure_ends_job_fast(runs):
+    p, _, secs = runs["rank-failure"]
     assert p.returncode != 0
     assert "[rank 2 (drafter)] FAILED" in p.stderr and "injected failure" in p.stderr
     assert secs < 60, secs
