@@ -34,16 +34,16 @@ ONE_TWO = ("--target_ranks=1", "--drafter_ranks=2")
 # The training runs of this module that need no signal from the test while they run, started together in the
 # background when the module starts (the `runs` fixture of conftest, two at a time), so that both cores stay busy;
 # each test reads its own by name.
-RUNS = {
-    "crash-straight": job(3, *CRASH),  # the uninterrupted run the crashed and resumed one must equal
-    "nonfinite-streak": job(3, "--max_steps=50", "--ckpt_every=2", "--max_bad_steps=3", *ONE_TWO,
-                            fail="2:2+:nan"),
+RUNS = {  # one-process runs first: the kill -9 tests, which come first, then share the cores with lighter jobs
     "nonfinite-once": job(1, "--max_steps=5", "--ckpt_every=1", "--keep_ckpts=5", fail="0:2:nan"),
-    "bad-config": job(3, *SPLIT, "--block_size=1", "--lr=0", "--run_name=../x"),
     "torn-checkpoints": job(1, "--max_steps=3", "--ckpt_every=1"),  # then torn by its test, and resumed
     "nonfinite-weights": job(1, "--max_steps=4", "--ckpt_every=1", fail="0:1:inf"),
     "nonfinite-last-steps": job(1, "--max_steps=5", "--ckpt_every=1", fail="0:3+:nan"),
     "mask-token-in-data": job(1, "--max_steps=2", "--mask_token=<|im_end|>"),
+    "crash-straight": job(3, *CRASH),  # the uninterrupted run the crashed and resumed one must equal
+    "nonfinite-streak": job(3, "--max_steps=50", "--ckpt_every=2", "--max_bad_steps=3", *ONE_TWO,
+                            fail="2:2+:nan"),
+    "bad-config": job(3, *SPLIT, "--block_size=1", "--lr=0", "--run_name=../x"),
     "uninterrupted": job(3, *PREEMPT, *ONE_TWO),  # what a stopped and resumed run must equal
 }
 
