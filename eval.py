@@ -112,14 +112,15 @@ def draft(drafter, target, block_1K, new_hidden_1TC, cache, start, how):
     drafted before it."""
     x_1KD = F.embedding(block_1K, target.get_input_embeddings().weight)  # raw rows, exactly as dflash_loss embeds
     h_1KD, cache = drafter.forward_cached(x_1KD, new_hidden_1TC, cache, start)
-    logits = target.get_output_embeddings()(h_1KD[:, 1:])  # offset 0 is the clean anchor: its output is unused
+    h_1KD = h_1KD[:, drafter.drafting(block_1K.shape[1])]  # the K-1 offsets that draft
+    logits = target.get_output_embeddings()(h_1KD)
     draft_how = replace(how, temperature=0.0) if how.rule == "ratio" else how
     seen = []  # the biased logits each pick saw, offset by offset (or all offsets at once)
 
     def choose(x):
         seen.append(x)
         return pick(x, draft_how)
-    toks, conf = drafter.draft_tokens(logits, h_1KD[:, 1:], block_1K[:, 0], choose,
+    toks, conf = drafter.draft_tokens(logits, h_1KD, block_1K[:, 0], choose,
                                       target.get_input_embeddings().weight)
     out = Drafts((toks, cache, None if conf is None else conf[0]))
     if how.rule == "ratio_sampled" and how.temperature > 0:
