@@ -707,6 +707,8 @@ def _parser():
         "prompts: each NEW's paired difference from BASE per set and of the macro mean, with intervals; "
         "several NEW: also one table of all; A1.json,A2.json: one arm trained under several "
         "seeds (the seeds' spread in the interval)")
+    arg("--rule", help="--compare: judge by this decode of the prompts: a verification rule "
+        "(greedy, or one of --verify's) or adaptive; default: each file's main one")
     arg("--workers", type=int, default=1, help="processes sharing the device, worker k taking prompts k, k+N, ...")
     return p
 
@@ -783,7 +785,7 @@ def evaluate_sets(sets, decode, tokenizer, keys=None, seed=0, decode_all=None, *
 
 def main(argv=None):
     a = _args(argv)
-    return compare(*a.compare) if a.compare else evaluate_cli(a)
+    return compare(*a.compare, rule=a.rule) if a.compare else evaluate_cli(a)
 
 
 def evaluate_cli(a):

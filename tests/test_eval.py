@@ -1293,6 +1293,20 @@ def test_compare_pools_seeds_and_prompts(tmp_path):
     assert out["x"]["seeds"] == [2, 2]
     one = ev.main(["--compare", a1, b2])
     assert one["x"]["diff"] == pytest.approx(1.0) and one["x"]["diff_ci95"] == pytest.approx([1.0, 1.0])
+    # --rule: the arms judged by another decode of the same prompts (here "ratio", a variant
+    # whose taus are A 2, B 4), or the main one by its name; a decode a file lacks is refused
+    for name, tau in (("ra", 2.0), ("rb", 4.0)):
+        res = json.loads(open(run(name, 1.0)).read())
+        for s_ in res["sets"].values():
+            s_["config"] = dict(verify="match")
+            s_["variants"] = dict(ratio=dict(per_prompt=[dict(r, tau=tau) for r in s_["per_prompt"]]))
+        (tmp_path / f"{name}.json").write_text(json.dumps(res))
+    ra, rb = str(tmp_path / "ra.json"), str(tmp_path / "rb.json")
+    assert ev.main(["--compare", ra, rb, "--rule", "ratio"])["x"]["diff"] == pytest.approx(2.0)
+    assert ev.main(["--compare", ra, rb, "--rule", "match"])["x"]["diff"] == pytest.approx(0.0)
+    assert ev.main(["--compare", ra, rb])["x"]["diff"] == pytest.approx(0.0)
+    with pytest.raises(SystemExit, match="has no such decode"):
+        ev.main(["--compare", ra, rb, "--rule", "ratio_sampled"])
     with pytest.raises(SystemExit, match="not the same prompts"):
         bad = tmp_path / "bad.json"
         bad.write_text(json.dumps({"sets": {s: dict(tau=2.0, per_prompt=[dict(tau=2.0, prompt_tokens=3,
