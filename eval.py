@@ -112,14 +112,15 @@ def draft(drafter, target, block_1K, new_hidden_1TC, cache, start, how):
     drafted before it."""
     x_1KD = F.embedding(block_1K, target.get_input_embeddings().weight)  # raw rows, exactly as dflash_loss embeds
     h_1KD, cache = drafter.forward_cached(x_1KD, new_hidden_1TC, cache, start)
-    logits = target.get_output_embeddings()(h_1KD[:, 1:])  # offset 0 is the clean anchor: its output is unused
+    h_1KD = h_1KD[:, drafter.drafting(block_1K.shape[1])]  # the K-1 offsets that draft
+    logits = target.get_output_embeddings()(h_1KD)
     draft_how = replace(how, temperature=0.0) if how.rule == "ratio" else how
     seen = []  # the biased logits each pick saw, offset by offset (or all offsets at once)
 
     def choose(x):
         seen.append(x)
         return pick(x, draft_how)
-    toks, conf = drafter.draft_tokens(logits, h_1KD[:, 1:], block_1K[:, 0], choose,
+    toks, conf = drafter.draft_tokens(logits, h_1KD, block_1K[:, 0], choose,
                                       target.get_input_embeddings().weight)
     out = Drafts((toks, cache, None if conf is None else conf[0]))
     if how.rule == "ratio_sampled" and how.temperature > 0:
@@ -706,6 +707,8 @@ def _parser():
         "prompts: each NEW's paired difference from BASE per set and of the macro mean, with intervals; "
         "several NEW: also one table of all; A1.json,A2.json: one arm trained under several "
         "seeds (the seeds' spread in the interval)")
+    arg("--rule", help="--compare: judge by this decode of the prompts: a verification rule "
+        "(greedy, or one of --verify's) or adaptive; default: each file's main one")
     arg("--workers", type=int, default=1, help="processes sharing the device, worker k taking prompts k, k+N, ...")
     return p
 
@@ -782,7 +785,7 @@ def evaluate_sets(sets, decode, tokenizer, keys=None, seed=0, decode_all=None, *
 
 def main(argv=None):
     a = _args(argv)
-    return compare(*a.compare) if a.compare else evaluate_cli(a)
+    return compare(*a.compare, rule=a.rule) if a.compare else evaluate_cli(a)
 
 
 def evaluate_cli(a):

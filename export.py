@@ -5,7 +5,8 @@ that consumer would load and then serve wrongly without an error.
     python export.py out/RUN/ckpt-0003504 --for vllm|sglang|specforge|zlab OUT [--target TARGET]
 
 Kinds of checkpoint: plain DFlash, DSpark (a Markov head), DSpark with a confidence head, Domino
-in our layout (prefix 0) and Domino in SGLang's (prefix 1). save_drafter's own directory stays
+aligned (prefix 0, train.py --domino_layout=aligned) and Domino shifted (prefix 1, SGLang's; the
+default). save_drafter's own directory stays
 what vLLM and SGLang load directly; an export only adds a directory beside it. This is its own
 file, not part of checkpoint.py: that file is the run directory a training run writes, this is a
 command a user runs afterwards, one table of facts about other projects' loaders.
@@ -32,12 +33,13 @@ KINDS = ("plain", "dspark", "dspark+confidence", "domino-prefix0", "domino-prefi
 # adds embed_proj([h_j ; g_j]) with g_j the state of a bias-free GRU over the target's embeddings
 # of the block's true tokens (training) or drafted ones (drafting).
 #
-# shift_label false, pure_draft_prefix_len 0 (ours, DominoDraftModel as save_drafter writes it):
+# shift_label false, pure_draft_prefix_len 0 (--domino_layout=aligned; DominoDraftModel):
 #   slot k predicts token anchor+k (slot 0 is the anchor: no label, dflash_family_model.py:628,
 #   :654-656); the GRU reads tokens anchor+0..anchor+K-2 and g_k = its state after anchor+k-1;
 #   every slot 1..K-1 is corrected (specforge/modeling/draft/domino.py:56-62 suffix_start = 1,
 #   :126-131 prefix_states = gru_out[:, :, 0:]). Decay weight exp(-(k-1)/gamma) (:669-673).
-# shift_label true, pure_draft_prefix_len 1 (SpecForge configs/qwen3-8b-domino.json and
+# shift_label true, pure_draft_prefix_len 1 (--domino_layout=shifted, loss.block_labels' shift;
+#   SpecForge configs/qwen3-8b-domino.json and
 #   qwen3.5-4b-domino.json at a6b6b02; SGLang's DFlashDraftModel with projector_type domino):
 #   slot j predicts token anchor+j+1, every slot j = 0..K-1 carries a label (label_start = 1,
 #   dflash_family_model.py:628-640, no slot masked at :654), and an anchor needs loss_mask at
@@ -87,7 +89,7 @@ def refusal(consumer, kind):
     if consumer == "sglang" and kind == "domino-prefix0":
         return ("SGLang serves Domino only with pure_draft_prefix_len 1: its first drafted token "
                 "is uncorrected and each GRU state one token longer than this head was trained "
-                "with; train with domino_shift_label true, domino_prefix_len 1")
+                "with; train with --domino_layout=shifted (the default)")
     return None
 
 

@@ -94,17 +94,21 @@ def sample_anchors(loss_mask_BS, num_anchors, generator=None):
     return torch.where(keep, anchors, 0), keep
 
 
-def block_labels(input_ids_BS, loss_mask_BS, anchors_BN, keep_BN, K, gamma):
-    """Labels at the SAME position: block offset k predicts input_ids[anchor+k]; offset 0 (the clean anchor) and
-    positions >= S are unsupervised; the loss mask is read at the label position, not the anchor.
-    Returns labels [B,N,K], valid [B,N,K] bool, weights [B,N,K] = valid * exp(-(k-1)/gamma) (w_1 = 1, Eq. 4)."""
+def block_labels(input_ids_BS, loss_mask_BS, anchors_BN, keep_BN, K, gamma, shift=0):
+    """Labels at the SAME position (shift 0, the paper's): block offset k predicts input_ids[anchor+k];
+    offset 0 (the clean anchor) is unsupervised. shift 1 (SpecForge's shift_label, the layout SGLang
+    serves Domino in): offset k predicts input_ids[anchor+k+1], offset 0 included. Positions >= S
+    are unsupervised; the loss mask is read at the label position, not the anchor. Returns labels
+    [B,N,K], valid [B,N,K] bool, weights [B,N,K] = valid * exp(-(j-1)/gamma) where j = k + shift is
+    the label's distance from the anchor (w = 1 for the first drafted token, Eq. 4)."""
     (B, S), N = input_ids_BS.shape, anchors_BN.shape[1]
     k = torch.arange(K, device=input_ids_BS.device)
-    pos_BNK = anchors_BN[:, :, None] + k
+    pos_BNK = anchors_BN[:, :, None] + k + shift
     idx = pos_BNK.clamp(max=S - 1).view(B, N * K)
     labels = input_ids_BS.gather(1, idx).view(B, N, K)
-    valid = keep_BN[:, :, None] & (pos_BNK < S) & (k > 0) & loss_mask_BS.gather(1, idx).view(B, N, K).bool()
-    decay = torch.exp(-(k - 1).clamp(min=0).float() / gamma)
+    valid = (keep_BN[:, :, None] & (pos_BNK < S) & (k + shift > 0)
+             & loss_mask_BS.gather(1, idx).view(B, N, K).bool())
+    decay = torch.exp(-(k + shift - 1).clamp(min=0).float() / gamma)
     return labels, valid, valid.float() * decay
 
 
@@ -188,6 +192,7 @@ class Rows:
     teacher_MD: torch.Tensor | None
     K: int  # block size
     chunk_rows: int  # rows per LM-head chunk, whole blocks
+    shift: int = 0  # the layout: offset k's label is the token at anchor+k+shift (block_labels)
 
     def take(self, j):
         """These rows for slice j (of whole blocks)."""
@@ -197,36 +202,42 @@ class Rows:
 
 def draft_rows(drafter, embed_VD, batch, opts):
     """The drafter's forward over every block of the micro-batch, and each row's label and weight
-    -> Rows. A block is [anchor token, mask, ..., mask] at absolute positions anchor + k."""
+    -> Rows. A block is [anchor token, mask, ..., mask] at absolute positions anchor + k; its rows
+    predict the tokens after the anchor as block_labels lays them out (the drafter's
+    domino_shift_label: one position later)."""
     ids_BS, mask_BS, hidden_BSC, anchors_BN, keep_BN, final_BSD = batch
     cfg, (B, S), N, dev = drafter.cfg, ids_BS.shape, anchors_BN.shape[1], ids_BS.device
-    if cfg.domino_shift_label or cfg.domino_prefix_len:  # export.py reads that layout; not built here
-        raise NotImplementedError("training a Domino head in the shift_label / "
-                                  "pure_draft_prefix_len 1 layout is not built yet")
-    K = cfg.block_size
+    K, shift = cfg.block_size, int(cfg.domino_shift_label)
+    anchor_BN = ids_BS.gather(1, anchors_BN)
     block_BNK = torch.full((B, N, K), cfg.mask_token_id, device=dev, dtype=ids_BS.dtype)
-    block_BNK[:, :, 0] = torch.where(keep_BN, ids_BS.gather(1, anchors_BN), cfg.mask_token_id)
+    block_BNK[:, :, 0] = torch.where(keep_BN, anchor_BN, cfg.mask_token_id)
     # positions may run past S-1: they place the block, they never index a label
     pos_BQ = (anchors_BN[:, :, None] + torch.arange(K, device=dev)).view(B, N * K)  # Q = N*K
     x_BQD = F.embedding(block_BNK.view(B, N * K), embed_VD).to(hidden_BSC.dtype)
     masks = build_masks(anchors_BN, keep_BN, S, K, cfg.layer_types, cfg.sliding_window,
                         opts.backend)
     out_BQD = drafter(x_BQD, hidden_BSC, pos_BQ, masks)
-    labels, valid, decay = block_labels(ids_BS, mask_BS, anchors_BN, keep_BN, K, opts.gamma)
-    prev = torch.cat([labels[:, :, :1], labels[:, :, :-1]], -1)  # offset 1's: the anchor token
+    labels, valid, decay = block_labels(ids_BS, mask_BS, anchors_BN, keep_BN, K, opts.gamma, shift)
+    # the true token before each row's label: the anchor, then the labels (shift 0: offset 0's is
+    # unsupervised, any token does)
+    prev = torch.cat([anchor_BN[:, :, None], labels[:, :, :-1]], -1)
     prefix = None
-    if cfg.domino_gru_dim:  # the GRU reads offsets 0..K-2's true tokens: its k-th state is offset k+1's
-        e = F.embedding(labels[:, :, :-1].reshape(B * N, K - 1), embed_VD).to(out_BQD.dtype)
-        g = drafter.prefix_gru(e)[0]  # [B*N, K-1, G]
-        prefix = torch.cat([g.new_zeros(B * N, 1, g.shape[-1]), g], 1).reshape(B * N * K, -1)
+    if cfg.domino_gru_dim:  # the GRU reads the true tokens from the anchor on, up to the one before
+        # the last row's label; a row's state is the one after the token before its label
+        # (shift 0: offset 0 has none, zeros, unsupervised)
+        e = F.embedding(prev[:, :, 1 - shift:].reshape(B * N, K - 1 + shift), embed_VD)
+        g = drafter.prefix_gru(e.to(out_BQD.dtype))[0]  # [B*N, K-1+shift, G]
+        if not shift:
+            g = torch.cat([g.new_zeros(B * N, 1, g.shape[-1]), g], 1)
+        prefix = g.reshape(B * N * K, -1)
     teacher = None
-    if final_BSD is not None:  # the label at anchor+k is the target's prediction at anchor+k-1
-        at_BQ = (pos_BQ - 1).clamp(0, S - 1)  # offset 0 (unsupervised) reads the anchor-1's
+    if final_BSD is not None:  # a label at position p is the target's prediction at p-1
+        at_BQ = (pos_BQ + shift - 1).clamp(0, S - 1)  # shift 0's offset 0 (unsupervised): anchor-1
         teacher = final_BSD.gather(1, at_BQ[:, :, None].expand(-1, -1, final_BSD.shape[-1]))
         teacher = teacher.reshape(B * N * K, -1)
     return Rows(out_MD=out_BQD.reshape(B * N * K, -1), labels_M=labels.view(-1),
                 valid_M=valid.view(-1), decay_M=decay.view(-1), prev_M=prev.view(-1), prefix_MG=prefix,
-                teacher_MD=teacher, K=K, chunk_rows=(opts.chunk_blocks or N) * K)
+                teacher_MD=teacher, K=K, chunk_rows=(opts.chunk_blocks or N) * K, shift=shift)
 
 
 # ----------------------------------------------------------------------------- the one loss
@@ -255,7 +266,11 @@ def chunk_loss(rows, logits_MV, teacher_MV, drafter, opts):
         logits_MV = logits_MV + drafter.markov_head(rows.prev_M)
     base_MV = logits_MV
     if cfg.domino_gru_dim:
-        logits_MV = logits_MV + drafter.domino_bias(rows.out_MD, rows.prefix_MG).to(logits_MV.dtype)
+        bias_MV = drafter.domino_bias(rows.out_MD, rows.prefix_MG).to(logits_MV.dtype)
+        if cfg.domino_prefix_len:  # pure_draft_prefix_len: the leading offsets keep the LM head's alone
+            k_M = torch.arange(bias_MV.shape[0], device=bias_MV.device) % rows.K
+            bias_MV = bias_MV * (k_M >= cfg.domino_prefix_len)[:, None].to(bias_MV.dtype)
+        logits_MV = logits_MV + bias_MV
     ce_M = F.cross_entropy(logits_MV.float(), rows.labels_M, reduction="none")  # fp32
     if opts.weighting == "dpace":
         w_M = dpace_weights(ce_M.detach(), rows.valid_M.float(), rows.K, opts.alpha)
@@ -363,18 +378,22 @@ def head_loss(rows, head, drafter, opts):
 
 def block_stats(loss_sum, correct_M, rows, keep_BN, opts):
     """dflash_loss's additive terms (see there) from the loss sum and each row's argmax hit."""
+    shift = rows.shift  # the rows that draft: offsets 1..K-1, or 0..K-2 when shifted
     valid = rows.valid_M.view(*keep_BN.shape, rows.K)  # B N K
     correct = correct_M.view(valid.shape) & valid
-    # training-time acceptance estimate: accepted = sum_j prod_{i<=j} correct_i over supervised
-    # positions, unsupervised ones count as correct inside the product (SpecForge
-    # compute_accept_len), tau = 1 + accepted
-    run = torch.cumprod((correct | ~valid)[:, :, 1:].float(), dim=-1)
-    accepted = (run * valid[:, :, 1:]).sum(-1)
+    # training-time acceptance estimate over the K-1 rows that draft: accepted = sum_j prod_{i<=j}
+    # correct_i over supervised positions, unsupervised ones count as correct inside the product
+    # (SpecForge compute_accept_len), tau = 1 + accepted
+    drafted = slice(1 - shift, rows.K - shift)
+    run = torch.cumprod((correct | ~valid)[:, :, drafted].float(), dim=-1)
+    accepted = (run * valid[:, :, drafted]).sum(-1)
     blocks = keep_BN.sum().float()
+    by_distance = (shift, 0)  # correct_K / count_K by the label's distance from the anchor, 0..K-1+shift
     return dict(
         loss_sum=loss_sum,
         weight_sum=blocks if opts.weighting == "dpace" else rows.decay_M.sum().detach(),
-        correct_K=correct.sum((0, 1)).float(), count_K=valid.sum((0, 1)).float(),
+        correct_K=F.pad(correct.sum((0, 1)).float(), by_distance),
+        count_K=F.pad(valid.sum((0, 1)).float(), by_distance),
         tau_sum=((1 + accepted) * keep_BN).sum(), blocks=blocks,
     )
 

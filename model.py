@@ -413,21 +413,23 @@ class DFlashDrafter(nn.Module):
         return self
 
     def draft_tokens(self, logits_BKV, h_BKD, first_B, pick, embed_VD=None):
-        """A block's drafted tokens from the logits of offsets 1..K-1 [B, K-1, V] and their normed
+        """A block's drafted tokens from the logits of its drafting offsets [B, K-1, V]
+        (DFlashDrafter.drafting: 1..K-1, or 0..K-2 under domino_shift_label) and their normed
         hidden [B, K-1, D] -> (tokens [B, K-1], the confidence head's probabilities [B, K-1], None
         without one). pick(logits [..., V]) chooses (argmax, or a sample). No Markov or Domino head:
         every offset at once; with one, left to right from first (the anchor), each drafted token
         the next one's previous, as DSpark and Domino draft. embed_VD: the target's embedding
-        table (a Domino head reads the drafted tokens through it)."""
-        if self.cfg.domino_shift_label or self.cfg.domino_prefix_len:  # read shifted otherwise
-            raise NotImplementedError("drafting with a Domino head in the shift_label / "
-                                      "pure_draft_prefix_len 1 layout is not built yet")
+        table (a Domino head reads the drafted tokens through it; under domino_prefix_len p the
+        first p offsets of the block keep the LM head's logits, the GRU reading on)."""
         if self.cfg.domino_gru_dim:
-            toks, state = [first_B], None
+            toks, state, first = [first_B], None, 1 - int(self.cfg.domino_shift_label)
             for k in range(logits_BKV.shape[1]):
                 e_B1D = F.embedding(toks[-1], embed_VD)[:, None].to(h_BKD.dtype)
                 g_B1G, state = self.prefix_gru(e_B1D, state)
-                toks.append(pick(logits_BKV[:, k] + self.domino_bias(h_BKD[:, k], g_B1G[:, 0]).to(logits_BKV.dtype)))
+                logits_BV = logits_BKV[:, k]
+                if first + k >= self.cfg.domino_prefix_len:
+                    logits_BV = logits_BV + self.domino_bias(h_BKD[:, k], g_B1G[:, 0]).to(logits_BV.dtype)
+                toks.append(pick(logits_BV))
             return torch.stack(toks[1:], 1), None
         if not self.cfg.markov_rank:
             return pick(logits_BKV), None
@@ -439,6 +441,12 @@ class DFlashDrafter(nn.Module):
             prev_BK = torch.stack(toks[:-1], 1)  # offset k's previous token: the anchor, then drafts
             conf = torch.sigmoid(self.confidence_logits(h_BKD, prev_BK))
         return torch.stack(toks[1:], 1), conf
+
+    def drafting(self, K):
+        """The offsets of a block of K whose outputs draft: 1..K-1 (offset k predicts the token at
+        anchor+k), or 0..K-2 under domino_shift_label (offset k predicts anchor+k+1)."""
+        shift = int(self.cfg.domino_shift_label)
+        return slice(1 - shift, K - shift)
 
     def domino_bias(self, h_MD, g_MG):
         """The Domino head's logit bias for rows of normed hidden h whose GRU state is g."""

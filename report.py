@@ -283,12 +283,13 @@ def macro_figures(results, resamples=2000):
                 variants=dict(sorted(variants.items())))
 
 
-def compare(base_path, *new_paths, resamples=5000):
+def compare(base_path, *new_paths, resamples=5000, rule=None):
     """eval.json files of the same prompts (eval.py --compare BASE NEW [NEW ...]; an arm trained
     under several seeds: its files joined by commas) -> for each NEW against BASE (compare_two);
     one NEW: its result, several: {NEW: result}, and a race table (one row per arm: each set's
-    tau, the macro mean, its gain over BASE with the interval)."""
-    outs = {p: compare_two(base_path, p, resamples) for p in new_paths}
+    tau, the macro mean, its gain over BASE with the interval). rule: judge by that decode of the
+    prompts (read_arm), not the main one."""
+    outs = {p: compare_two(base_path, p, resamples, rule) for p in new_paths}
     if len(new_paths) == 1:
         return outs[new_paths[0]]
     sets = [k for k in outs[new_paths[0]] if k != "macro mean"]
@@ -310,17 +311,30 @@ def compare(base_path, *new_paths, resamples=5000):
     return outs
 
 
-def read_arm(spec):
+def read_arm(spec, rule=None):
     """An arm of --compare: "A.json", or "A1.json,A2.json" (one eval.json per training seed) ->
-    [(path, {set name: results}), ...], the sets alike in every file."""
+    [(path, {set name: results}), ...], the sets alike in every file. rule: each set's decode
+    under that verification rule (the main one, or a variant: eval.py --verify's others,
+    "adaptive"), e.g. ratio to judge as engines verify at T > 0."""
     runs = []
     for path in spec.split(","):
         with open(path) as f:
             res = json.load(f)
-        runs.append((path, res["sets"] if "sets" in res else {"prompts": res}))
+        sets = res["sets"] if "sets" in res else {"prompts": res}
+        runs.append((path, sets if rule is None else {n: decode_of(r, rule, path) for n, r in sets.items()}))
         if runs[-1][1].keys() != runs[0][1].keys():
             raise SystemExit(f"--compare: {runs[0][0]} has sets {sorted(runs[0][1])}, {path} {sorted(runs[-1][1])}")
     return runs
+
+
+def decode_of(res, rule, path):
+    """One set's results under `rule`: its main decode's (config.verify) or a variant's."""
+    if res.get("config", {}).get("verify") == rule:
+        return res
+    if rule in (res.get("variants") or {}):
+        return res["variants"][rule]
+    have = [res.get("config", {}).get("verify"), *(res.get("variants") or {})]
+    raise SystemExit(f"--compare --rule {rule}: {path} has no such decode (it has {have})")
 
 
 def seed_prompt_means(t_SP, seeds_RS, prompts_RP):
@@ -332,7 +346,7 @@ def seed_prompt_means(t_SP, seeds_RS, prompts_RP):
     return x_RSP.gather(2, prompts_RP[:, None, :].expand(-1, x_RSP.shape[1], -1)).mean((1, 2))
 
 
-def compare_two(base_spec, new_spec, resamples=5000):
+def compare_two(base_spec, new_spec, resamples=5000, rule=None):
     """Two arms of the same prompts (read_arm: one eval.json per training seed) -> per set and for
     the macro mean: tau of each (the mean over seeds and prompts), the paired difference NEW - BASE
     and the relative gain, each with a 95% interval from a hierarchical bootstrap: each round draws
@@ -340,8 +354,8 @@ def compare_two(base_spec, new_spec, resamples=5000):
     prompts (the same draw for both arms: paired by prompt hash; every set on its own for the
     macro mean; seeded), so the spread between trainings of one recipe is in the interval; and
     the prompts each arm is ahead on (its seeds' mean)."""
-    print(f"{new_spec} against {base_spec}:")
-    arms, gen = (read_arm(base_spec), read_arm(new_spec)), torch.Generator().manual_seed(0)
+    print(f"{new_spec} against {base_spec}" + (f", verified by {rule}:" if rule else ":"))
+    arms, gen = (read_arm(base_spec, rule), read_arm(new_spec, rule)), torch.Generator().manual_seed(0)
     (pa, a), (pb, b) = arms[0][0], arms[1][0]
     if a.keys() != b.keys():
         raise SystemExit(f"--compare: {pa} has sets {sorted(a)}, {pb} {sorted(b)}")

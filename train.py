@@ -90,6 +90,10 @@ class Config:
     # a quarter of the hidden size), through domino_emb_dim to the vocabulary
     domino_gru_dim: int = 0
     domino_emb_dim: int = 256
+    # where its rows' labels sit: shifted = offset k predicts the token at anchor+k+1, offset 0's
+    # correction off (SpecForge's shift_label true, pure_draft_prefix_len 1: the layout SGLang
+    # serves); aligned = offset k predicts anchor+k, every offset corrected (no engine serves it)
+    domino_layout: str = "shifted"
     # Domino's blend: the LM head's own CE weighs domino_base_start at step 0, falling linearly
     # to 0 by domino_base_decay of the run; the corrected logits' CE weighs the rest (SpecForge)
     domino_base_start: float = 1.0
@@ -527,6 +531,7 @@ SHAPE = [
     ("domino_gru_dim", lambda c, t: not c.domino_gru_dim or c.markov_rank == 0,
      "a Domino head needs markov_rank=0 (one correction head)", ["markov_rank"]),
     *_each(["domino_emb_dim"], lambda x: 1 <= x <= 16384, "must be in [1, 16384]"),
+    ("domino_layout", lambda c, t: c.domino_layout in ("shifted", "aligned"), "must be shifted or aligned"),
     *_each(["domino_base_start", "domino_base_decay"], lambda x: 0 <= x <= 1, "must be in [0, 1]"),
     ("init_drafter",
      lambda c, t: not c.init_drafter or all(os.path.isfile(os.path.join(c.init_drafter, f))
@@ -747,7 +752,9 @@ def drafter_layers(cfg):
                 layer_types=["sliding_attention"] * n + ["full_attention"] * (L - n),
                 sliding_window=cfg.sliding_window if n else None, markov_rank=cfg.markov_rank,
                 confidence_head=cfg.confidence_head, domino_gru_dim=cfg.domino_gru_dim,
-                domino_emb_dim=cfg.domino_emb_dim)
+                domino_emb_dim=cfg.domino_emb_dim,
+                **(dict(domino_shift_label=True, domino_prefix_len=1)
+                   if cfg.domino_gru_dim and cfg.domino_layout == "shifted" else {}))
 
 
 def domino_base_weight(cfg, step, total):

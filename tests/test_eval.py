@@ -94,10 +94,11 @@ def test_lossless_random_drafter(arch):
             assert res["tau"] == 1.0 and res["pos_accept"] == []
 
 
-def _drafts_left_to_right(drafter, target, head_logits):
-    """One block (K = 8) drafted by ev.draft equals the tokens chosen here left to right, offset k's
-    from head_logits(k, its backbone logits, its normed state, the tokens so far: the anchor and
-    the drafts before k); the head changed them; greedy decoding with it is lossless in fp32."""
+def _drafts_left_to_right(drafter, target, head_logits, first=1):
+    """One block (K = 8) drafted by ev.draft equals the tokens chosen here left to right, draft k's
+    from head_logits(k, the backbone logits and normed state of block offset first + k, the tokens
+    so far: the anchor and the drafts before k); the head changed them; greedy decoding with it is
+    lossless in fp32."""
     p = prompts()[2]
     with torch.inference_mode():
         out = target(input_ids=torch.tensor([p]), output_hidden_states=True)
@@ -108,9 +109,9 @@ def _drafts_left_to_right(drafter, target, head_logits):
         assert conf is None  # no confidence head
         emb = target.get_input_embeddings().weight
         h, _ = drafter.forward_cached(torch.nn.functional.embedding(block, emb), hidden[:, :-1], None, len(p) - 1)
-        logits, seen = target.get_output_embeddings()(h[0, 1:]), [p[-1]]
+        logits, seen = target.get_output_embeddings()(h[0, first:first + 7]), [p[-1]]
         for k in range(7):
-            seen.append(int(head_logits(k, logits[k], h[0, 1 + k], seen).argmax()))
+            seen.append(int(head_logits(k, logits[k], h[0, first + k], seen).argmax()))
         assert toks[0].tolist() == seen[1:]
         assert seen[1:] != logits.argmax(-1).tolist()  # the head changed the drafts
     res = ev.evaluate(target, None, drafter, prompts(), ev.EvalOptions(MAX_NEW, eos_ids=[EOS], warmup=False))
@@ -145,6 +146,28 @@ def test_domino_head_drafts_left_to_right_and_stays_lossless(llama):
         g = _gru_by_hand(emb[seen], gru.weight_ih_l0, gru.weight_hh_l0)[-1]
         return z + drafter.embed_proj(torch.cat([h, g]))
     _drafts_left_to_right(drafter, target, head)
+
+
+def test_domino_shifted_layout_drafts_from_offsets_0_to_k_minus_2(llama):
+    """SGLang's Domino layout (shift_label, pure_draft_prefix_len 1): the K-1 drafts come from block
+    offsets 0..K-2 (offset k predicts anchor+k+1); the first is the LM head's alone, draft k >= 1
+    adds embed_proj([h ; g]), g the GRU's state after the anchor and drafts 0..k-1 (stepped here by
+    hand); greedy decoding with it is lossless in fp32."""
+    from test_model import _gru_by_hand
+    target, _ = llama
+    drafter = tiny_drafter(target, block_size=8, domino_gru_dim=12, domino_emb_dim=20,
+                           domino_shift_label=True, domino_prefix_len=1)
+    with torch.no_grad():
+        for i in (0, 2):
+            drafter.embed_proj[i].weight.normal_(0, 1.0)
+    emb, gru = target.get_input_embeddings().weight, drafter.prefix_gru
+
+    def head(k, z, h, seen):
+        if k == 0:
+            return z
+        g = _gru_by_hand(emb[seen], gru.weight_ih_l0, gru.weight_hh_l0)[-1]
+        return z + drafter.embed_proj(torch.cat([h, g]))
+    _drafts_left_to_right(drafter, target, head, first=0)
 
 
 def test_confidence_calibration_on_hand_made_cycles():
@@ -1277,6 +1300,20 @@ def test_compare_pools_seeds_and_prompts(tmp_path):
     assert out["x"]["seeds"] == [2, 2]
     one = ev.main(["--compare", a1, b2])
     assert one["x"]["diff"] == pytest.approx(1.0) and one["x"]["diff_ci95"] == pytest.approx([1.0, 1.0])
+    # --rule: the arms judged by another decode of the same prompts (here "ratio", a variant
+    # whose taus are A 2, B 4), or the main one by its name; a decode a file lacks is refused
+    for name, tau in (("ra", 2.0), ("rb", 4.0)):
+        res = json.loads(open(run(name, 1.0)).read())
+        for s_ in res["sets"].values():
+            s_["config"] = dict(verify="match")
+            s_["variants"] = dict(ratio=dict(per_prompt=[dict(r, tau=tau) for r in s_["per_prompt"]]))
+        (tmp_path / f"{name}.json").write_text(json.dumps(res))
+    ra, rb = str(tmp_path / "ra.json"), str(tmp_path / "rb.json")
+    assert ev.main(["--compare", ra, rb, "--rule", "ratio"])["x"]["diff"] == pytest.approx(2.0)
+    assert ev.main(["--compare", ra, rb, "--rule", "match"])["x"]["diff"] == pytest.approx(0.0)
+    assert ev.main(["--compare", ra, rb])["x"]["diff"] == pytest.approx(0.0)
+    with pytest.raises(SystemExit, match="has no such decode"):
+        ev.main(["--compare", ra, rb, "--rule", "ratio_sampled"])
     with pytest.raises(SystemExit, match="not the same prompts"):
         bad = tmp_path / "bad.json"
         bad.write_text(json.dumps({"sets": {s: dict(tau=2.0, per_prompt=[dict(tau=2.0, prompt_tokens=3,

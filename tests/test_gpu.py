@@ -107,18 +107,21 @@ def test_train_colocated_cuda_compiled_layers(tiny_target, convs, tmp_path, head
 @cuda
 @pytest.mark.parametrize("weighting,markov_rank,domino,kd", [
     ("dpace", 0, 0, "none"), ("decay", 16, 0, "none"), ("dpace", 16, 0, "l1"), ("dpace", 0, 64, "none"),
-    ("decay", 0, 64, "kl")])
+    ("decay", 0, 64, "kl"), ("dpace", 0, "64-shifted", "none")])
 def test_loss_variants_on_cuda_equal_cpu(weighting, markov_rank, domino, kd):
-    """D-PACE weights, the Markov head, a Domino head (cuDNN's GRU) and the target-distribution
-    term inside the compiled chunk loss of the bridge on CUDA give the CPU loss and gradients (fp32
-    weights, chunked). Fresh compile caches: earlier tests' graphs count toward the recompile limit."""
+    """D-PACE weights, the Markov head, a Domino head (cuDNN's GRU; aligned, and shifted: SGLang's
+    layout) and the target-distribution term inside the compiled chunk loss of the bridge on CUDA
+    give the CPU loss and gradients (fp32 weights, chunked). Fresh compile caches: earlier tests'
+    graphs count toward the recompile limit."""
+    shifted = domino == "64-shifted"
+    domino = 64 if shifted else domino
     torch._dynamo.reset()
     configure_compile()
     torch.manual_seed(0)
     cfg = DrafterConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=64, vocab_size=1000, block_size=16, mask_token_id=999,
                         target_layer_ids=[1, 3], num_target_layers=4, markov_rank=markov_rank,
-                        domino_gru_dim=domino)
+                        domino_gru_dim=domino, domino_shift_label=shifted, domino_prefix_len=int(shifted))
     cpu = DFlashDrafter(cfg)
     gpu = DFlashDrafter(cfg).cuda()
     gpu.load_state_dict(cpu.state_dict())

@@ -233,6 +233,8 @@ BRIDGE_CASES = {  # name -> (drafter fields, LossOptions fields): every term and
     "markov-dpace": (dict(markov_rank=8), dict(weighting="dpace")),
     "domino-blend": (dict(domino_gru_dim=12, domino_emb_dim=20), dict(base_weight=0.4)),
     "domino-dpace": (dict(domino_gru_dim=12, domino_emb_dim=20), dict(weighting="dpace")),
+    "domino-shifted": (dict(domino_gru_dim=12, domino_emb_dim=20, domino_shift_label=True,
+                            domino_prefix_len=1), dict(weighting="dpace", base_weight=0.2)),
     "kl": ({}, dict(kd="kl", kd_weight=0.5)),
     "l1-dpace": ({}, dict(kd="l1", weighting="dpace")),
     "l1-markov-confidence": (dict(markov_rank=8, confidence_head=True),
@@ -765,6 +767,53 @@ def test_domino_head_loss_and_gradients_match_a_hand_written_gru(base_weight, ch
     # the statistics count the corrected logits' argmax
     hit = (fixed.argmax(-1) == labels.reshape(-1)) & _forward(drafter, tables, batch)[2].reshape(-1)
     assert r["correct_K"].sum() == hit.sum()
+
+
+@pytest.mark.parametrize("base_weight", [0.0, 0.4])
+def test_domino_shifted_layout_matches_a_hand_written_reference(base_weight):
+    """SpecForge's shift_label true, pure_draft_prefix_len 1 (the layout SGLang serves Domino in),
+    written out here: block offset j (0..K-1, the anchor's own included) predicts the token at
+    anchor+j+1, weighted exp(-j/gamma) where supervised; the GRU reads the target's embeddings of
+    the true tokens anchor..anchor+K-1, offset j's state the one after anchor+j; offset 0 keeps
+    the LM head's logits, offsets >= 1 add embed_proj([h_j ; g_j]); the blend as in the aligned
+    layout. The same weights in the aligned layout give another loss; the statistics count by the
+    label's distance from the anchor, and the acceptance estimate runs over offsets 0..K-2."""
+    aligned, tables, batch = _domino_setup(3)
+    drafter = DFlashDrafter(dataclasses.replace(aligned.cfg, domino_shift_label=True, domino_prefix_len=1))
+    drafter.load_state_dict(aligned.state_dict())
+    K, gamma, (ids, lm, _, anchors, keep) = drafter.cfg.block_size, 7.0, batch[:5]
+    S = ids.shape[1]
+    opts = LossOptions(chunk_blocks=3, base_weight=base_weight, gamma=gamma)
+    r, grads = _loss_and_grads(drafter, tables, batch, opts)
+    out = _forward(drafter, tables, batch)[0]
+    w_ih, w_hh = drafter.prefix_gru.weight_ih_l0, drafter.prefix_gru.weight_hh_l0
+    g, labels, w = [], [], []
+    for b in range(2):
+        for n, a in enumerate(anchors[b].tolist()):
+            toks = [int(ids[b, min(a + j, S - 1)]) for j in range(K)]
+            g.append(_gru_by_hand(tables.embed_VD[toks], w_ih, w_hh))  # K states, offset j's after anchor+j
+            for j in range(K):
+                p = a + j + 1
+                ok = bool(keep[b, n]) and p < S and bool(lm[b, p])
+                labels.append(int(ids[b, min(p, S - 1)]))
+                w.append(math.exp(-j / gamma) if ok else 0.0)
+    h, labels, w = out.reshape(-1, D), torch.tensor(labels), torch.tensor(w)
+    base = h @ tables.head_VD.t()
+    w1, w2 = drafter.embed_proj[0].weight, drafter.embed_proj[2].weight
+    on = (torch.arange(len(labels)) % K >= 1).float()[:, None]  # offset 0: the LM head alone
+    fixed = base + on * (F.silu(torch.cat([h, torch.cat(g)], -1) @ w1.t()) @ w2.t())
+    ce = [F.cross_entropy(x, labels, reduction="none") for x in (fixed, base)]
+    ref = (((1 - base_weight) * ce[0] + base_weight * ce[1]) * w).sum()
+    _same_loss_and_gradients(drafter, r, grads, ref)
+    assert r["weight_sum"].item() == pytest.approx(w.sum().item(), rel=1e-6)
+    hit = ((fixed.argmax(-1) == labels) & (w > 0)).view(-1, K)
+    assert r["count_K"].tolist() == [0.0, *(w > 0).view(-1, K).sum(0).float().tolist()]
+    assert r["correct_K"].tolist() == [0.0, *hit.sum(0).float().tolist()]
+    ok = (w > 0).view(-1, K)[:, :K - 1]
+    run = torch.cumprod((hit[:, :K - 1] | ~ok).float(), -1)
+    assert r["tau_sum"].item() == pytest.approx(((1 + (run * ok).sum(-1)) * keep.view(-1)).sum().item())
+    r_aligned, _ = _loss_and_grads(aligned, tables, batch, opts)
+    assert not torch.allclose(r_aligned["loss_sum"], r["loss_sum"])
 
 
 def test_domino_needs_one_head():

@@ -369,6 +369,7 @@ INVALID = [
     ("confidence detached without a head", dict(confidence_detached=True), "confidence_detached"),
     ("domino beside a Markov head", dict(domino_gru_dim=8, markov_rank=4), "domino_gru_dim"),
     ("domino base weight past 1", dict(domino_base_start=1.5), "domino_base_start"),
+    ("unknown domino layout", dict(domino_layout="sideways"), "domino_layout"),
     ("more than any machine holds", dict(max_length=2 ** 20, num_anchors=2 ** 19), "num_anchors"),  # memory check
 ]
 

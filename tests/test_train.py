@@ -347,7 +347,7 @@ def test_markov_head_trains_through_train_py(runs):
 @pytest.mark.runs("domino")
 def test_domino_head_trains_through_train_py(runs):
     """--domino_gru_dim=8, one process: the run ends, its checkpoint is a
-    Domino drafter that loads with the head, whose weights moved from their init once the LM
+    Domino drafter in the shifted layout that loads with the head, whose weights moved from their init once the LM
     head's own CE stopped weighing everything (1, 2/3, 1/3, then 0 over 6 steps at decay 0.5), and
     the loss fell."""
     from model import load_drafter
@@ -360,6 +360,8 @@ def test_domino_head_trains_through_train_py(runs):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     init, last = (load_drafter(out / "r" / n) for n in ("init", "ckpt-0000006"))
     assert last.cfg.domino_gru_dim == 8 and last.cfg.domino_emb_dim == 16 and init.cfg == last.cfg
+    # the layout SGLang serves, by default (--domino_layout=shifted)
+    assert last.cfg.domino_shift_label is True and last.cfg.domino_prefix_len == 1
     for name in ("prefix_gru.weight_ih_l0", "embed_proj.2.weight"):
         assert not torch.equal(init.state_dict()[name], last.state_dict()[name]), name
     rows = metrics(out)
